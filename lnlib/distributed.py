@@ -1,0 +1,362 @@
+r"""LayerNorm with the hidden dimension sharded across processes.
+
+In tensor parallelism the last axis of the activations is split across ``P``
+processes: rank ``r`` holds ``x[:, cols_r]`` and the matching slices of
+``weight`` and ``bias``, and no process sees a whole row. LayerNorm needs two
+row statistics, so the ranks exchange *summaries* of their pieces instead of
+the pieces themselves.
+
+Forward. Each rank computes, per row, the count ``n_r`` of its columns, the
+mean ``m_r`` of its piece and the sum of squared deviations from that mean,
+``M2_r`` (two passes over its piece). The summaries are combined exactly with
+the parallel merge of Chan, Golub and LeVeque (1979),
+
+.. math::
+
+    n = n_a + n_b,\qquad \delta = m_b - m_a,\qquad
+    m = m_a + \delta\,\frac{n_b}{n},\qquad
+    M_2 = M_{2,a} + M_{2,b} + \delta^2\,\frac{n_a n_b}{n},
+
+applied in rank order, so the row variance is ``M2 / H``. Nothing like
+``E[x^2] - E[x]^2`` is formed, so the merge is as accurate as a two-pass
+variance over the whole row.
+
+We gather every rank's ``(m_r, M2_r)`` with one ``all_gather`` and let every
+rank merge them in the same fixed order, rather than ``all_reduce`` the sums:
+the merge is then the same arithmetic on the same numbers on every rank, so all
+ranks hold bit-identical ``mean`` and ``rstd``, independent of how the backend
+orders a reduction, and one communication round suffices (the alternative,
+``all_reduce`` of the row sum and then of the centred squares, needs two
+rounds, one after the other). The counts are the shard widths, the same for
+every row, so they are gathered once and not per row.
+
+Bytes per row. Each rank contributes two numbers per row (8 bytes each in
+float64, 4 in float32) however wide the row is; gathering whole rows
+instead would move ``H / P`` values per rank and row. The backward needs two
+more row sums per rank, ``sum(g)`` and ``sum(g * xhat)`` with
+``g = dy * weight``.
+
+Backward. With ``xhat = (x - mean) * rstd`` and ``g = dy * weight``,
+
+.. math::
+
+    dx = \mathrm{rstd}\,\bigl(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\bigr),
+
+where the bars are means over the *whole* row: each rank sums its piece, the
+partial sums are gathered and added in rank order. ``dweight`` and ``dbias``
+for the local slice need no communication.
+
+Derived in the book, Chapter 5, section "LayerNorm across processes".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "partial_moments",
+    "merge_moments",
+    "sharded_layer_norm_forward",
+    "sharded_layer_norm_backward",
+    "shard_bounds",
+]
+
+
+def _acc_dtype(dtype):
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def partial_moments(x):
+    r"""Per-row count, mean and sum of squared deviations of a shard.
+
+    Parameters
+    ----------
+    x : ndarray, shape (N, h), floating
+        One shard of the rows (``h`` of the ``H`` columns).
+
+    Returns
+    -------
+    count : int
+        ``h``.
+    mean : ndarray, shape (N,)
+        Row means of the shard, in float64 for float64 input, else float32.
+    m2 : ndarray, shape (N,)
+        :math:`\sum_j (x_j - \text{mean})^2` per row (two passes).
+    """
+    acc = _acc_dtype(x.dtype)
+    xa = np.asarray(x, dtype=acc)  # (N, h)
+    mean = xa.mean(axis=-1)  # (N,)
+    xc = xa - mean[:, None]  # (N, h)
+    m2 = np.einsum("ij,ij->i", xc, xc)  # (N,)
+    return x.shape[-1], mean, m2
+
+
+def merge_moments(counts, means, m2s):
+    r"""Combine per-shard moments exactly with Chan's parallel merge.
+
+    .. math::
+
+        n = n_a + n_b,\quad \delta = m_b - m_a,\quad
+        m = m_a + \delta n_b / n,\quad
+        M_2 = M_{2,a} + M_{2,b} + \delta^2 n_a n_b / n
+
+    The shards are merged left to right in the order given, so the result is
+    deterministic: the same inputs in the same order give the same bits.
+
+    Parameters
+    ----------
+    counts : sequence of int, length P
+        Number of elements in each shard (positive).
+    means : sequence of arrays, each of shape (N,)
+        Mean of each shard, per row.
+    m2s : sequence of arrays, each of shape (N,)
+        Sum of squared deviations from the shard mean, per row.
+
+    Returns
+    -------
+    count : int
+    mean : ndarray, shape (N,)
+    m2 : ndarray, shape (N,)
+        The variance (biased) is ``m2 / count``.
+
+    Raises
+    ------
+    ValueError
+        Empty input, lengths that differ, or a count that is not positive.
+
+    Notes
+    -----
+    Chan, Golub and LeVeque (1979), *Updating formulae and a pairwise algorithm
+    for computing sample variances*. Book, Chapter 5, "Parallel Welford".
+    """
+    counts = [int(c) for c in counts]
+    if not counts:
+        raise ValueError("counts: expected at least one shard, got none")
+    if len(means) != len(counts) or len(m2s) != len(counts):
+        raise ValueError(
+            f"means, m2s: expected {len(counts)} entries each (one per count), "
+            f"got {len(means)} and {len(m2s)}"
+        )
+    if min(counts) <= 0:
+        raise ValueError(f"counts: expected positive shard sizes, got {counts}")
+    n = counts[0]
+    mean = np.array(means[0], copy=True)
+    m2 = np.array(m2s[0], copy=True)
+    for nb, mb, m2b in zip(counts[1:], means[1:], m2s[1:]):
+        total = n + nb
+        delta = mb - mean
+        mean = mean + delta * (nb / total)
+        m2 = m2 + m2b + delta * delta * (n * nb / total)
+        n = total
+    return n, mean, m2
+
+
+def shard_bounds(H, world_size, rank):
+    """Columns ``[start, stop)`` of rank ``rank`` when ``H`` columns are split as evenly
+    as possible (the first ``H % world_size`` ranks get one extra), like ``np.array_split``."""
+    base, extra = divmod(H, world_size)
+    start = rank * base + min(rank, extra)
+    stop = start + base + (1 if rank < extra else 0)
+    return start, stop
+
+
+def _gather_rows(local, group):
+    """all_gather a (N, k) float tensor; return the list of P tensors in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    out = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(out, local.contiguous(), group=group)
+    return out
+
+
+def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=None):
+    r"""Forward of LayerNorm over a last axis sharded across the ranks of ``group``.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (N, h_r), float32 or float64, CPU
+        This rank's columns of the rows.
+    weight, bias : torch.Tensor of shape (h_r,) or None
+        This rank's slices of the affine parameters.
+    eps : float
+    group : torch.distributed process group or None (the default group)
+
+    Returns
+    -------
+    y : torch.Tensor, shape (N, h_r)
+        This rank's columns of the output.
+    mean, rstd : torch.Tensor, shape (N,)
+        Statistics of the whole rows, bit-identical on every rank.
+
+    Notes
+    -----
+    Communication: one ``all_gather`` of ``(mean_r, M2_r)``, 2 numbers per row
+    per rank, plus one of the shard widths. Book, Chapter 5.
+    """
+    import torch
+
+    if x.ndim != 2:
+        raise ValueError(f"x: expected a 2-D (N, h) tensor, got shape {tuple(x.shape)}")
+    xn = x.detach().cpu().numpy()
+    count, mean_r, m2_r = partial_moments(xn)
+    counts = _gather_rows(torch.tensor([[count]], dtype=torch.int64), group)
+    counts = [int(c.item()) for c in counts]
+    local = torch.from_numpy(np.stack([mean_r, m2_r], axis=1))  # (N, 2)
+    parts = [p.numpy() for p in _gather_rows(local, group)]
+    H, mean, m2 = merge_moments(counts, [p[:, 0] for p in parts], [p[:, 1] for p in parts])
+    rstd = 1.0 / np.sqrt(m2 / H + eps)  # (N,)
+    acc = mean.dtype
+    y = (xn.astype(acc, copy=False) - mean[:, None]) * rstd[:, None]  # (N, h)
+    if weight is not None:
+        y = y * weight.detach().cpu().numpy().astype(acc, copy=False)
+    if bias is not None:
+        y = y + bias.detach().cpu().numpy().astype(acc, copy=False)
+    return (torch.from_numpy(y.astype(xn.dtype, copy=False)),
+            torch.from_numpy(mean), torch.from_numpy(rstd))
+
+
+def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
+    r"""Backward of :func:`sharded_layer_norm_forward`.
+
+    Parameters
+    ----------
+    dy, x : torch.Tensor, shape (N, h_r)
+        This rank's columns of the output gradient and of the input.
+    mean, rstd : torch.Tensor, shape (N,)
+        As returned by the forward.
+    weight : torch.Tensor of shape (h_r,) or None
+    group : process group or None
+
+    Returns
+    -------
+    dx : torch.Tensor, shape (N, h_r)
+    dweight, dbias : torch.Tensor, shape (h_r,)
+        Gradients of this rank's slices (of a weight of ones and a bias of
+        zeros when none was used).
+
+    Notes
+    -----
+    Communication: one ``all_gather`` of ``(sum g, sum g*xhat)``, 2 numbers
+    per row per rank, added in rank order on every rank.
+    """
+    import torch
+
+    xn = x.detach().cpu().numpy()
+    acc = _acc_dtype(xn.dtype)
+    dyn = dy.detach().cpu().numpy().astype(acc, copy=False)  # (N, h)
+    meann = mean.detach().cpu().numpy().astype(acc, copy=False)  # (N,)
+    rstdn = rstd.detach().cpu().numpy().astype(acc, copy=False)  # (N,)
+    xhat = (xn.astype(acc, copy=False) - meann[:, None]) * rstdn[:, None]  # (N, h)
+    g = dyn if weight is None else dyn * weight.detach().cpu().numpy().astype(acc)  # (N, h)
+    local = torch.from_numpy(np.stack([g.sum(axis=1), np.einsum("ij,ij->i", g, xhat)], axis=1))
+    parts = _gather_rows(local, group)
+    total = parts[0].numpy().copy()  # (N, 2)
+    for p in parts[1:]:
+        total += p.numpy()
+    counts = _gather_rows(torch.tensor([[xn.shape[1]]], dtype=torch.int64), group)
+    H = sum(int(c.item()) for c in counts)
+    mean_g = total[:, 0] / H  # (N,)
+    mean_gx = total[:, 1] / H  # (N,)
+    dx = rstdn[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])  # (N, h)
+    dweight = np.einsum("ij,ij->j", dyn, xhat)  # (h,)
+    dbias = dyn.sum(axis=0)  # (h,)
+    dt = xn.dtype
+    return (torch.from_numpy(dx.astype(dt, copy=False)),
+            torch.from_numpy(dweight.astype(dt, copy=False)),
+            torch.from_numpy(dbias.astype(dt, copy=False)))
+
+
+# --------------------------------------------------------------------------------------
+# Self-check worker, importable so that torch.multiprocessing can spawn it (tests, CLI).
+
+
+def _worker(rank, world_size, port, N, H, seed, outdir, timeout_s):
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        x, weight, bias, dy = _problem(N, H, seed)
+        lo, hi = shard_bounds(H, world_size, rank)
+        t = torch.from_numpy
+        y, mean, rstd = sharded_layer_norm_forward(
+            t(x[:, lo:hi]), t(weight[lo:hi]), t(bias[lo:hi]), eps=1e-5
+        )
+        dx, dweight, dbias = sharded_layer_norm_backward(
+            t(dy[:, lo:hi]), t(x[:, lo:hi]), mean, rstd, t(weight[lo:hi])
+        )
+        np.savez(
+            os.path.join(outdir, f"rank{rank}.npz"),
+            y=y.numpy(), mean=mean.numpy(), rstd=rstd.numpy(),
+            dx=dx.numpy(), dweight=dweight.numpy(), dbias=dbias.numpy(),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _problem(N, H, seed):
+    """The full inputs every rank builds identically (float64)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(3.0, 2.0, size=(N, H))  # (N, H), a mean far from zero on purpose
+    weight = rng.normal(1.0, 0.3, size=H)  # (H,)
+    bias = rng.normal(0.0, 0.3, size=H)  # (H,)
+    dy = rng.normal(size=(N, H))  # (N, H)
+    return x, weight, bias, dy
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_sharded(world_size, N, H, seed, outdir, timeout_s=30.0):
+    """Spawn ``world_size`` gloo processes that each run a shard; return their results.
+
+    The processes are joined with a deadline and terminated if it passes, so no
+    process outlives this call. Returns a list of dicts, one per rank.
+    """
+    import time
+
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.start_processes(
+        _worker, args=(world_size, port, N, H, seed, str(outdir), timeout_s),
+        nprocs=world_size, join=False, start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s + 30.0
+    try:
+        while not ctx.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sharded LayerNorm with {world_size} ranks timed out")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+            p.join(5)
+            if p.is_alive():  # pragma: no cover - a stuck process
+                p.kill()
+                p.join()
+    import os
+
+    out = []
+    for r in range(world_size):
+        with np.load(os.path.join(str(outdir), f"rank{r}.npz")) as f:
+            out.append({k: f[k] for k in f.files})
+    return out

@@ -1,0 +1,320 @@
+r"""PyTorch bridge: lnlib's LayerNorm and RMSNorm inside a torch model.
+
+The forward and the backward of :class:`LayerNormFunction` and
+:class:`RMSNormFunction` are lnlib's own NumPy functions
+(:func:`lnlib.layer_norm_forward`, :func:`lnlib.layer_norm_backward`,
+:func:`lnlib.rms_norm_forward`, :func:`lnlib.rms_norm_backward`). Tensors cross
+the boundary without copies: a CPU tensor is viewed as a NumPy array with
+``Tensor.numpy()`` and the results come back with ``torch.from_numpy``, which
+share memory. CUDA tensors cross through DLPack into CuPy, for when lnlib's
+GPU path accepts CuPy arrays.
+
+:class:`LayerNorm` and :class:`RMSNorm` are drop-in replacements for
+``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm`` with the same constructor
+arguments, parameter names and initialisation, so a state dict moves between
+them unchanged.
+
+This module is the only place in lnlib that imports torch; ``import lnlib``
+does not import it.
+
+Derived in the book, Chapter 5, section "A torch bridge".
+
+References
+----------
+Ba, Kiros and Hinton (2016), *Layer Normalization*, arXiv:1607.06450.
+Zhang and Sennrich (2019), *Root Mean Square Layer Normalization*, NeurIPS.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+import lnlib
+
+__all__ = [
+    "LayerNormFunction",
+    "RMSNormFunction",
+    "layer_norm",
+    "rms_norm",
+    "LayerNorm",
+    "RMSNorm",
+]
+
+# NumPy has no bfloat16: such tensors are computed in float32 and cast back.
+_NATIVE = (torch.float16, torch.float32, torch.float64)
+
+
+def _to_array(t):
+    """View a tensor as a NumPy (CPU) or CuPy (CUDA) array, without a copy."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.dtype not in _NATIVE:
+        t = t.float()
+    if t.device.type == "cpu":
+        # .numpy() shares the storage for any non-negative strides (torch has no others).
+        return t.numpy()
+    if t.device.type == "cuda":
+        try:
+            import cupy
+        except ImportError as err:  # pragma: no cover - needs a GPU
+            raise TypeError(
+                "x: CUDA tensors need CuPy (pip install lnlib[gpu]); got a tensor on "
+                f"{t.device}"
+            ) from err
+        return cupy.from_dlpack(t.contiguous())  # pragma: no cover - needs a GPU
+    raise TypeError(f"x: expected a CPU or CUDA tensor, got a tensor on {t.device}")
+
+
+def _to_tensor(a, like):
+    """Wrap an array from lnlib as a tensor with the dtype and device of ``like``."""
+    if isinstance(a, np.ndarray):
+        t = torch.from_numpy(a)
+    else:  # pragma: no cover - needs a GPU
+        t = torch.from_dlpack(a)
+    if t.dtype != like.dtype:
+        t = t.to(like.dtype)
+    return t
+
+
+def _check_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name}: expected a floating tensor, got dtype {t.dtype}")
+
+
+class LayerNormFunction(torch.autograd.Function):
+    r"""Autograd function for LayerNorm whose forward and backward are lnlib's.
+
+    ``LayerNormFunction.apply(x, weight, bias, normalized_ndim, eps)`` computes
+
+    .. math::
+
+        y = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} \odot \gamma + \beta
+
+    over the last ``normalized_ndim`` axes, saving ``x``, ``mean`` and ``rstd``
+    for the backward (book, Chapter 5, "What the forward saves"). ``weight``
+    and ``bias`` may be ``None``. Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_ndim, eps):
+        y, mean, rstd = lnlib.layer_norm_forward(
+            _to_array(x), _to_array(weight), _to_array(bias),
+            eps=eps, normalized_ndim=normalized_ndim,
+        )
+        mean_t = torch.from_numpy(mean) if isinstance(mean, np.ndarray) else torch.from_dlpack(mean)
+        rstd_t = torch.from_numpy(rstd) if isinstance(rstd, np.ndarray) else torch.from_dlpack(rstd)
+        ctx.save_for_backward(x, weight, mean_t, rstd_t)
+        ctx.has_bias = bias is not None
+        ctx.mark_non_differentiable(mean_t, rstd_t)
+        return _to_tensor(y, x), mean_t, rstd_t
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, _dmean, _drstd):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias = lnlib.layer_norm_backward(
+            _to_array(dy), _to_array(x), _to_array(mean), _to_array(rstd), _to_array(weight)
+        )
+        grads = [None, None, None, None, None]
+        if ctx.needs_input_grad[0]:
+            grads[0] = _to_tensor(dx, x)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grads[1] = _to_tensor(dweight, weight)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grads[2] = _to_tensor(dbias, weight if weight is not None else x)
+        return tuple(grads)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    r"""Autograd function for RMSNorm whose forward and backward are lnlib's.
+
+    ``RMSNormFunction.apply(x, weight, normalized_ndim, eps)`` computes
+
+    .. math::
+
+        y = \frac{x}{\sqrt{\overline{x^2} + \epsilon}} \odot \gamma
+
+    over the last ``normalized_ndim`` axes, saving ``x`` and ``rstd``.
+    ``weight`` may be ``None``. Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_ndim, eps):
+        y, rstd = lnlib.rms_norm_forward(
+            _to_array(x), _to_array(weight), eps=eps, normalized_ndim=normalized_ndim
+        )
+        rstd_t = torch.from_numpy(rstd) if isinstance(rstd, np.ndarray) else torch.from_dlpack(rstd)
+        ctx.save_for_backward(x, weight, rstd_t)
+        ctx.mark_non_differentiable(rstd_t)
+        return _to_tensor(y, x), rstd_t
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, _drstd):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = lnlib.rms_norm_backward(
+            _to_array(dy), _to_array(x), _to_array(rstd), _to_array(weight)
+        )
+        grads = [None, None, None, None]
+        if ctx.needs_input_grad[0]:
+            grads[0] = _to_tensor(dx, x)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grads[1] = _to_tensor(dweight, weight)
+        return tuple(grads)
+
+
+def _normalized_shape(normalized_shape):
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(int(n) for n in normalized_shape)
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    r"""LayerNorm of a tensor through lnlib, like ``torch.nn.functional.layer_norm``.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (..., *normalized_shape), float16/bfloat16/float32/float64
+    normalized_shape : int or tuple of int
+        The trailing axes to normalize over.
+    weight, bias : torch.Tensor of shape ``normalized_shape`` or None
+    eps : float
+        Added to the variance inside the square root.
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape and dtype as ``x``; differentiable with respect to ``x``,
+        ``weight`` and ``bias``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a floating tensor.
+    ValueError
+        ``x`` does not end with ``normalized_shape``, or lnlib rejects the
+        shapes of ``weight``/``bias``.
+    """
+    _check_tensor("x", x)
+    shape = _normalized_shape(normalized_shape)
+    if tuple(x.shape[x.ndim - len(shape):]) != shape or x.ndim < len(shape):
+        raise ValueError(
+            f"x: expected trailing axes {shape} (normalized_shape), got shape {tuple(x.shape)}"
+        )
+    y, _, _ = LayerNormFunction.apply(x, weight, bias, len(shape), float(eps))
+    return y
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None):
+    r"""RMSNorm of a tensor through lnlib, like ``torch.nn.functional.rms_norm``.
+
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch.
+    Arguments, results and errors as in :func:`layer_norm`, without ``bias``.
+    """
+    _check_tensor("x", x)
+    shape = _normalized_shape(normalized_shape)
+    if tuple(x.shape[x.ndim - len(shape):]) != shape or x.ndim < len(shape):
+        raise ValueError(
+            f"x: expected trailing axes {shape} (normalized_shape), got shape {tuple(x.shape)}"
+        )
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    y, _ = RMSNormFunction.apply(x, weight, len(shape), float(eps))
+    return y
+
+
+class LayerNorm(nn.Module):
+    r"""Drop-in for ``torch.nn.LayerNorm`` computed by lnlib.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+    eps : float, default 1e-5
+    elementwise_affine : bool, default True
+        Learn ``weight`` (initialised to ones) and, if ``bias``, ``bias``
+        (initialised to zeros).
+    bias : bool, default True
+    device, dtype
+        As for the parameters of ``torch.nn.LayerNorm``.
+
+    Book: Chapter 5, "A torch bridge".
+    """
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = _normalized_shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory))
+            if bias:
+                self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self):
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x):
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+class RMSNorm(nn.Module):
+    r"""Drop-in for ``torch.nn.RMSNorm`` computed by lnlib.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+    eps : float or None, default None
+        ``None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch.
+    elementwise_affine : bool, default True
+        Learn ``weight``, initialised to ones.
+    device, dtype
+        As for the parameters of ``torch.nn.RMSNorm``.
+
+    Book: Chapter 5, "A torch bridge".
+    """
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = _normalized_shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(
+                torch.ones(self.normalized_shape, device=device, dtype=dtype)
+            )
+        else:
+            self.register_parameter("weight", None)
+
+    def reset_parameters(self):
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def forward(self, x):
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
