@@ -1,0 +1,168 @@
+"""lnlib inside PyTorch: autograd functions and nn.Module drop-ins."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from lnlib import torch_bridge as tb  # noqa: E402
+
+
+def _double(*shape, seed=0, scale=1.0, shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift)
+
+
+def test_import_lnlib_does_not_import_torch():
+    code = "import sys, lnlib; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_layer_norm_gradcheck(affine):
+    x = _double(3, 2, 5, seed=1).requires_grad_()
+    w = _double(5, seed=2, scale=0.5, shift=1.0).requires_grad_() if affine != "none" else None
+    b = _double(5, seed=3).requires_grad_() if affine == "both" else None
+    inputs = tuple(t for t in (x, w, b) if t is not None)
+    assert torch.autograd.gradcheck(lambda x, *params: tb.layer_norm(x, (5,), *params), inputs)
+
+
+def test_layer_norm_gradcheck_two_axes():
+    x = _double(4, 3, 5, seed=4).requires_grad_()
+    w = _double(3, 5, seed=5, shift=1.0).requires_grad_()
+    b = _double(3, 5, seed=6).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w, b: tb.layer_norm(x, (3, 5), w, b), (x, w, b))
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_gradcheck(with_weight):
+    x = _double(4, 6, seed=7).requires_grad_()
+    if with_weight:
+        w = _double(6, seed=8, shift=1.0).requires_grad_()
+        assert torch.autograd.gradcheck(lambda x, w: tb.rms_norm(x, 6, w, eps=1e-6), (x, w))
+    else:
+        assert torch.autograd.gradcheck(lambda x: tb.rms_norm(x, 6, eps=1e-6), (x,))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_layer_norm_equals_torch(dtype, tol):
+    x = _double(8, 16, 32, seed=9, scale=3.0, shift=5.0).to(dtype)
+    w = _double(32, seed=10, shift=1.0).to(dtype)
+    b = _double(32, seed=11).to(dtype)
+    dy = _double(8, 16, 32, seed=12).to(dtype)
+
+    ours = [t.clone().requires_grad_() for t in (x, w, b)]
+    theirs = [t.clone().requires_grad_() for t in (x, w, b)]
+    y1 = tb.layer_norm(ours[0], (32,), ours[1], ours[2], eps=1e-5)
+    y2 = F.layer_norm(theirs[0], (32,), theirs[1], theirs[2], eps=1e-5)
+    y1.backward(dy)
+    y2.backward(dy)
+    assert y1.dtype == dtype and y1.shape == x.shape
+    torch.testing.assert_close(y1, y2, rtol=tol, atol=tol)
+    for a, c in zip(ours, theirs):
+        assert a.grad.dtype == dtype
+        torch.testing.assert_close(a.grad, c.grad, rtol=tol, atol=tol * 10)
+
+
+def test_rms_norm_equals_torch():
+    x = _double(5, 7, 24, seed=13, scale=2.0)
+    w = _double(24, seed=14, shift=1.0)
+    dy = _double(5, 7, 24, seed=15)
+    ours = [t.clone().requires_grad_() for t in (x, w)]
+    theirs = [t.clone().requires_grad_() for t in (x, w)]
+    tb.rms_norm(ours[0], 24, ours[1]).backward(dy)
+    F.rms_norm(theirs[0], (24,), theirs[1]).backward(dy)
+    for a, c in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, c.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tb.rms_norm(x, 24, w), F.rms_norm(x, (24,), w),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_forward_is_zero_copy_on_input():
+    x = torch.randn(4, 8)
+    seen = {}
+    real = tb.lnlib.layer_norm_forward
+
+    def spy(xa, *args, **kwargs):
+        seen["shares"] = np.shares_memory(xa, x.numpy())
+        return real(xa, *args, **kwargs)
+
+    tb.lnlib.layer_norm_forward = spy
+    try:
+        tb.layer_norm(x, 8)
+    finally:
+        tb.lnlib.layer_norm_forward = real
+    assert seen["shares"]
+
+
+def test_non_contiguous_and_bfloat16():
+    x = _double(6, 10, seed=16).t()  # (10, 6), not contiguous
+    torch.testing.assert_close(tb.layer_norm(x, 6), F.layer_norm(x, (6,)),
+                               rtol=1e-12, atol=1e-12)
+    xb = x.to(torch.bfloat16)
+    yb = tb.layer_norm(xb, 6)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb, F.layer_norm(xb, (6,)), rtol=2e-2, atol=2e-2)
+
+
+def test_modules_match_torch_modules():
+    ours = tb.LayerNorm((3, 4), eps=1e-6, bias=False, dtype=torch.float64)
+    theirs = nn.LayerNorm((3, 4), eps=1e-6, bias=False, dtype=torch.float64)
+    assert ours.bias is None and ours.weight.shape == (3, 4)
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    x = _double(2, 3, 4, seed=17)
+    torch.testing.assert_close(ours(x), theirs(x))
+
+    plain = tb.LayerNorm(4, elementwise_affine=False)
+    assert plain.weight is None and plain.bias is None and not list(plain.parameters())
+    assert "elementwise_affine=False" in repr(plain)
+
+    r_ours = tb.RMSNorm(4, dtype=torch.float64)
+    r_theirs = nn.RMSNorm(4, dtype=torch.float64)
+    assert set(r_ours.state_dict()) == set(r_theirs.state_dict())
+    torch.testing.assert_close(r_ours(x), r_theirs(x), rtol=1e-12, atol=1e-12)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(TypeError, match="x"):
+        tb.layer_norm(torch.ones(3, 4, dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        tb.layer_norm(torch.ones(3, 4), 5)
+    with pytest.raises(ValueError, match="weight"):
+        tb.layer_norm(torch.ones(3, 4), 4, torch.ones(3))
+
+
+def _tiny_model(norm_cls, seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 16), norm_cls(16), nn.GELU(), nn.Linear(16, 16), norm_cls(16),
+        nn.GELU(), nn.Linear(16, 1),
+    ).double()
+
+
+def _train(model, steps=30):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g, dtype=torch.float64)
+    target = (x[:, :1] * x[:, 1:2]).sin()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+def test_drop_in_trains_to_the_same_loss():
+    loss_ours = _train(_tiny_model(tb.LayerNorm, seed=3))
+    loss_torch = _train(_tiny_model(nn.LayerNorm, seed=3))
+    assert loss_ours == pytest.approx(loss_torch, rel=1e-9)
+    loss_rms_ours = _train(_tiny_model(tb.RMSNorm, seed=4))
+    loss_rms_torch = _train(_tiny_model(nn.RMSNorm, seed=4))
+    assert loss_rms_ours == pytest.approx(loss_rms_torch, rel=1e-9)
