@@ -1,0 +1,102 @@
+"""The checkers of chapter 1 pass right answers and catch the usual wrong ones."""
+
+import numpy as np
+
+from lnlib.exercises import ch01
+
+
+def batch_normalize(x, eps=1e-5):
+    mean = x.mean(axis=0)
+    var = ((x - mean) ** 2).mean(axis=0)
+    return ((x - mean) / np.sqrt(var + eps)).astype(x.dtype)
+
+
+def pair_output(a, b, eps=1e-5):
+    d = (a - b) / 2
+    return d / np.sqrt(d * d + eps)
+
+
+def running_update(running_mean, running_var, x, momentum=0.1):
+    n = x.shape[0]
+    return ((1 - momentum) * running_mean + momentum * x.mean(axis=0),
+            (1 - momentum) * running_var + momentum * x.var(axis=0) * n / (n - 1))
+
+
+def fold(W, b, running_mean, running_var, gamma, beta, eps=1e-5):
+    s = gamma / np.sqrt(running_var + eps)
+    return W * s[:, None], (b - running_mean) * s + beta
+
+
+def masked_step_stats(a, lengths):
+    mask = (np.arange(a.shape[1])[None, :] < lengths[:, None])[..., None]  # (N, T, 1)
+    count = mask.sum(axis=0)  # (T, 1)
+    x = np.where(mask, a, 0.0)
+    mean = x.sum(axis=0) / count
+    var = (np.where(mask, a - mean, 0.0) ** 2).sum(axis=0) / count
+    return mean, var
+
+
+def test_right_answers_pass(capsys):
+    assert ch01.check_batch_normalize(batch_normalize)
+    assert ch01.check_pair_output(pair_output)
+    assert ch01.check_running_update(running_update)
+    assert ch01.check_fold_eval_batch_norm(fold)
+    assert ch01.check_masked_step_stats(masked_step_stats)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 5 and all(line.startswith("PASS ") for line in out)
+
+
+def test_statistics_over_the_wrong_axis_fail():
+    def per_row(x, eps=1e-5):
+        return batch_normalize(x.T, eps).T
+
+    result = ch01.check_batch_normalize(per_row)
+    assert not result and len(result.failures) == 6
+
+
+def test_sign_without_eps_passes_only_for_rows_far_apart():
+    result = ch01.check_pair_output(lambda a, b, eps=1e-5: np.sign(a - b))
+    assert [f.index for f in result.failures] == [1, 3, 4, 5]
+
+
+def test_biased_running_variance_fails():
+    def biased(running_mean, running_var, x, momentum=0.1):
+        return ((1 - momentum) * running_mean + momentum * x.mean(axis=0),
+                (1 - momentum) * running_var + momentum * x.var(axis=0))
+
+    result = ch01.check_running_update(biased)
+    assert [f.index for f in result.failures] == [1, 2, 4, 5]
+    assert "output[1]" in result.failures[0].reason
+
+
+def test_in_place_update_is_caught():
+    def in_place(running_mean, running_var, x, momentum=0.1):
+        new_mean, new_var = running_update(running_mean, running_var, x, momentum)
+        running_mean[...] = new_mean
+        running_var[...] = new_var
+        return running_mean, running_var
+
+    result = ch01.check_running_update(in_place)
+    assert not result and "in place" in result.failures[0].reason
+
+
+def test_fold_without_eps_fails_on_tiny_variance():
+    result = ch01.check_fold_eval_batch_norm(
+        lambda W, b, m, v, g, be, eps=1e-5: fold(W, b, m, v, g, be, eps=0.0))
+    assert [f.index for f in result.failures] == [1, 2, 3, 4, 5]
+    assert "tiny" in result.failures[3].description
+
+
+def test_unmasked_statistics_fail():
+    def unmasked(a, lengths):
+        return a.mean(axis=0), a.var(axis=0)
+
+    result = ch01.check_masked_step_stats(unmasked)
+    assert [f.index for f in result.failures] == [2, 3, 4]
+
+
+def test_checkers_are_deterministic(capsys):
+    ch01.check_pair_output(lambda a, b, eps=1e-5: np.sign(a - b))
+    first = capsys.readouterr().out
+    ch01.check_pair_output(lambda a, b, eps=1e-5: np.sign(a - b))
+    assert capsys.readouterr().out == first
