@@ -1,0 +1,28 @@
+"""lnlib: Layer Normalization and its relatives, forward and backward, in NumPy (and CuPy).
+
+The package of the lnlib textbook. Every public function has a readable twin in
+:mod:`lnlib.reference` that it is tested against, validates its arguments before doing any
+work, and never modifies its inputs (except BatchNorm's running statistics, by design).
+
+Importing lnlib needs NumPy only; torch, CuPy and matplotlib are imported where they are used.
+"""
+
+from .ada_norm import (ada_layer_norm, ada_layer_norm_backward, ada_layer_norm_forward,
+                       adaln_modulation, adaln_modulation_backward, adaln_zero_init)
+from .batch_norm import batch_norm, batch_norm_backward, batch_norm_forward
+from .gradcheck import check_grad, numerical_grad
+from .layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
+from .layers import AdaLN, BatchNorm, LayerNorm, RMSNorm
+from .rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "layer_norm", "layer_norm_forward", "layer_norm_backward",
+    "rms_norm", "rms_norm_forward", "rms_norm_backward",
+    "ada_layer_norm", "ada_layer_norm_forward", "ada_layer_norm_backward",
+    "adaln_modulation", "adaln_modulation_backward", "adaln_zero_init",
+    "batch_norm", "batch_norm_forward", "batch_norm_backward",
+    "LayerNorm", "RMSNorm", "AdaLN", "BatchNorm",
+    "numerical_grad", "check_grad",
+]

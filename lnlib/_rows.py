@@ -1,0 +1,90 @@
+"""Row-blocked, multi-threaded driver for the NumPy fast paths of the row-wise norms.
+
+LayerNorm and RMSNorm are memory-bound: each element is read once and written once, and the
+arithmetic is a handful of flops. The fast paths therefore
+
+* work on blocks of rows small enough that the several passes NumPy makes over a block (sum,
+  centre, square, scale, ...) hit the CPU cache instead of main memory;
+* reuse preallocated scratch blocks and ``out=`` arguments, so no temporary is allocated per
+  block;
+* split the rows into one contiguous chunk per core and run the chunks in threads: NumPy
+  releases the GIL inside its loops, so the chunks really run in parallel.
+
+Every row is computed by the same sequence of NumPy calls on a contiguous row, whatever block or
+chunk it falls in, so a row's result is bitwise independent of the rest of the batch.
+"""
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+#: Bytes of one scratch block; several of them must fit in a core's L2 cache together.
+BLOCK_BYTES = 1 << 17
+#: Below this many elements one thread is faster than handing work to the pool.
+PARALLEL_MIN_ELEMENTS = 1 << 16
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def cpu_threads():
+    """Number of cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _executor():
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=cpu_threads(), thread_name_prefix="lnlib")
+        return _pool
+
+
+def default_block_rows(n, itemsize):
+    """Rows per block so that one scratch block of ``n`` columns is about BLOCK_BYTES."""
+    return max(1, BLOCK_BYTES // (n * itemsize))
+
+
+def run_chunks(m, n, chunk_fn, *, block_rows=None, threads=None, itemsize=4):
+    """Call ``chunk_fn(start, stop, block_rows)`` on contiguous row ranges covering ``[0, m)``.
+
+    The ranges are computed from ``m``, ``threads`` and ``block_rows`` only, and the results are
+    returned in range order, so that anything combined across chunks (parameter gradients) is
+    deterministic.
+    """
+    block_rows = default_block_rows(n, itemsize) if block_rows is None else int(block_rows)
+    threads = cpu_threads() if threads is None else int(threads)
+    if m * n < PARALLEL_MIN_ELEMENTS or threads <= 1 or m < 2 * block_rows:
+        return [chunk_fn(0, m, block_rows)]
+    nblocks = -(-m // block_rows)
+    per = -(-nblocks // threads) * block_rows
+    bounds = [(s, min(s + per, m)) for s in range(0, m, per)]
+    futures = [_executor().submit(chunk_fn, s, e, block_rows) for s, e in bounds[1:]]
+    results = [chunk_fn(*bounds[0], block_rows)]  # the calling thread takes the first chunk
+    results.extend(f.result() for f in futures)
+    return results
+
+
+def as_rows(x, k):
+    """View (or, if the layout requires, copy) ``x`` as a matrix: one row per normalized slice."""
+    n = int(np.prod(x.shape[x.ndim - k :]))
+    return x.reshape(-1, n)
+
+
+def contiguous_rows(a):
+    """True if each row of the 2-d array ``a`` is contiguous in memory."""
+    return a.strides[1] == a.itemsize or a.shape[1] == 1
+
+
+def load_block(src, scratch, dtype):
+    """Return the rows ``src`` in ``dtype`` with contiguous rows, using ``scratch`` if needed."""
+    if src.dtype == dtype and contiguous_rows(src):
+        return src
+    out = scratch[: src.shape[0]]
+    np.copyto(out, src, casting="same_kind" if src.dtype.itemsize > out.dtype.itemsize else "safe")
+    return out

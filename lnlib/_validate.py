@@ -1,0 +1,108 @@
+"""Argument checks shared by every public function.
+
+Each check runs before any work, names the argument at fault and says what was expected.
+"""
+
+import math
+import numbers
+
+import numpy as np
+
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def float_array(a, name, xp):
+    """Return ``a`` as an array of ``xp`` with a float16/32/64 dtype, or raise ``TypeError``.
+
+    Array-likes (lists, scalars) are converted; arrays are returned as they are, never copied.
+    """
+    if not isinstance(a, xp.ndarray):
+        try:
+            a = xp.asarray(a)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not an array"
+            raise TypeError(f"{name} must be a floating-point array, got {type(a).__name__}") from exc
+    if a.dtype not in _FLOATS:
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, float32 or float64), got {a.dtype}"
+        )
+    return a
+
+
+def optional_param(a, name, shape, xp):
+    """Check an optional per-feature parameter (weight, bias): ``None`` or exactly ``shape``."""
+    if a is None:
+        return None
+    a = float_array(a, name, xp)
+    if a.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (the normalized axes of x), got {a.shape}")
+    return a
+
+
+def eps_value(eps):
+    """Return ``eps`` as a float after checking it is a finite number >= 0."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return eps
+
+
+def normalized_ndim_value(x, normalized_ndim):
+    """Check ``normalized_ndim`` against ``x`` and that no normalized axis is empty."""
+    if isinstance(normalized_ndim, bool) or not isinstance(normalized_ndim, numbers.Integral):
+        raise TypeError(f"normalized_ndim must be an int, got {type(normalized_ndim).__name__}")
+    k = int(normalized_ndim)
+    if x.ndim == 0:
+        raise ValueError("x must have at least one axis to normalize, got a 0-d array")
+    if not 1 <= k <= x.ndim:
+        raise ValueError(f"normalized_ndim must be between 1 and x.ndim = {x.ndim}, got {k}")
+    normalized_axes(x.shape, k)
+    return k
+
+
+def normalized_axes(shape, k):
+    """Shape of the last ``k`` axes; raises ``ValueError`` if one of them is empty."""
+    tail = tuple(shape[len(shape) - k :])
+    if 0 in tail:
+        raise ValueError(f"x has an empty normalized axis: the last {k} axes of x have shape {tail}")
+    return tail
+
+
+def same_shape(a, name, x):
+    """Check that ``a`` (a gradient such as ``dy``) has exactly the shape of ``x``."""
+    if a.shape != x.shape:
+        raise ValueError(f"{name} must have the shape of x, {x.shape}, got {a.shape}")
+
+
+def saved_stats(x, **stats):
+    """Check saved statistics (mean, rstd): all of one shape, the leading axes of ``x``.
+
+    Returns the number of normalized axes, ``x.ndim - stat.ndim``.
+    """
+    shapes = {name: s.shape for name, s in stats.items()}
+    first_name, first = next(iter(shapes.items()))
+    for name, shape in shapes.items():
+        if shape != first:
+            raise ValueError(f"{name} must have the shape of {first_name}, {first}, got {shape}")
+    if len(first) >= x.ndim or tuple(x.shape[: len(first)]) != first:
+        raise ValueError(
+            f"{first_name} must have the shape of the leading (unnormalized) axes of x "
+            f"{x.shape}, i.e. x.shape[:x.ndim - normalized_ndim], got {first}"
+        )
+    k = x.ndim - len(first)
+    normalized_axes(x.shape, k)
+    return k
+
+
+def broadcast_modulation(a, name, x):
+    """Check that a modulation array (shift, scale) broadcasts against ``x`` without growing it."""
+    try:
+        out = np.broadcast_shapes(a.shape, x.shape)
+    except ValueError:
+        out = None
+    if out != x.shape:
+        raise ValueError(
+            f"{name} must broadcast against x of shape {x.shape} without enlarging it (for example"
+            f" (B, D) for x of shape (B, D), or (B, 1, D) for (B, T, D)), got {a.shape}"
+        )

@@ -1,0 +1,256 @@
+r"""Adaptive layer normalization (AdaLN) as used in diffusion transformers (Peebles and Xie, 2023).
+
+The normalization has no parameters of its own; a conditioning vector ``c`` (a time step or
+class embedding) is mapped by a small layer to a shift, a scale and a gate per feature:
+
+.. math::
+
+    (\mathrm{shift}, \mathrm{scale}, \mathrm{gate}) = \mathrm{SiLU}(c)\,W + b, \qquad
+    y = \mathrm{LN}(x)\,(1 + \mathrm{scale}) + \mathrm{shift} .
+
+With the adaLN-Zero initialisation (:math:`W = 0`, :math:`b = 0`) every block starts as the
+identity on its residual branch, because the gate that multiplies the branch is zero.
+"""
+
+import numpy as np
+
+from . import _validate as check
+from . import reference
+from ._backend import accumulation_dtype, get_array_module
+from ._rows import as_rows
+from .layer_norm import _backward_numpy, _forward_numpy
+
+__all__ = [
+    "ada_layer_norm",
+    "ada_layer_norm_forward",
+    "ada_layer_norm_backward",
+    "adaln_modulation",
+    "adaln_modulation_backward",
+    "adaln_zero_init",
+]
+
+
+def ada_layer_norm(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
+    r"""AdaLN of ``x``: ``LN(x) * (1 + scale) + shift``; returns ``y`` only.
+
+    Same as ``ada_layer_norm_forward(...)[0]``; see :func:`ada_layer_norm_forward`.
+    """
+    return ada_layer_norm_forward(x, shift, scale, eps=eps, normalized_ndim=normalized_ndim)[0]
+
+
+def _inputs(x, shift, scale, xp):
+    x = check.float_array(x, "x", xp)
+    shift = check.float_array(shift, "shift", xp)
+    scale = check.float_array(scale, "scale", xp)
+    check.broadcast_modulation(shift, "shift", x)
+    check.broadcast_modulation(scale, "scale", x)
+    return x, shift, scale
+
+
+def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
+    r"""AdaLN forward pass (the DiT modulation of a parameter-free LayerNorm).
+
+    .. math::
+
+        \hat{x} = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}}, \qquad
+        y = \hat{x}\,(1 + \mathrm{scale}) + \mathrm{shift},
+
+    with :math:`\mu, \sigma^2` over the last ``normalized_ndim`` axes as in
+    :func:`lnlib.layer_norm_forward`.
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+    shift, scale : ndarray
+        Broadcast against ``x`` without enlarging it: ``(B, D)`` for ``x`` of shape
+        ``(B, D)``, ``(B, 1, D)`` for ``(B, T, D)`` (one modulation per sample), or anything
+        else that broadcasts. Usually the output of :func:`adaln_modulation`.
+    eps : float, default 1e-6
+        As in DiT.
+    normalized_ndim : int, default 1
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+    mean, rstd : ndarray, shape ``lead``, float32 (float64 for float64 ``x``)
+
+    Raises
+    ------
+    TypeError
+        A non-floating array, or arrays from different array libraries.
+    ValueError
+        ``shift``/``scale`` that do not broadcast against ``x``; bad ``eps`` or
+        ``normalized_ndim``; an empty normalized axis.
+
+    Notes
+    -----
+    Covered in the book, chapter "Variants", section on adaptive normalization.
+
+    References
+    ----------
+    W. Peebles and S. Xie, "Scalable Diffusion Models with Transformers", ICCV 2023.
+    """
+    xp = get_array_module(x=x, shift=shift, scale=scale)
+    x, shift, scale = _inputs(x, shift, scale, xp)
+    eps = check.eps_value(eps)
+    k = check.normalized_ndim_value(x, normalized_ndim)
+    if xp is not np:
+        return reference.ada_layer_norm_forward(x, shift, scale, eps=eps, normalized_ndim=k)
+    acc = accumulation_dtype(x.dtype)
+    xa = x.astype(acc, copy=False)
+    xhat, mean, rstd = _forward_numpy(as_rows(xa, k), None, None, eps)
+    xhat = xhat.reshape(x.shape)
+    xhat *= 1 + scale.astype(acc, copy=False)
+    xhat += shift.astype(acc, copy=False)
+    lead = x.shape[: x.ndim - k]
+    return xhat.astype(x.dtype, copy=False), mean.reshape(lead), rstd.reshape(lead)
+
+
+def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
+    r"""AdaLN backward pass.
+
+    .. math::
+
+        d\,\mathrm{shift} = \textstyle\sum dy, \qquad
+        d\,\mathrm{scale} = \textstyle\sum dy\,\hat{x}, \qquad
+        dx = \mathrm{LN\ backward}\big(dy\,(1 + \mathrm{scale})\big),
+
+    the sums running over the axes along which ``shift`` and ``scale`` were broadcast.
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+    x : ndarray, the forward input
+    mean, rstd : ndarray, as returned by :func:`ada_layer_norm_forward`
+    scale : ndarray, the forward ``scale``
+    shift_shape : tuple, optional
+        Shape of the forward ``shift`` if it differs from that of ``scale``.
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+    dshift : ndarray, shape ``shift_shape`` (default ``scale.shape``), dtype of ``scale``
+    dscale : ndarray, shape and dtype of ``scale``
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`lnlib.layer_norm_backward`, and for a ``scale`` or ``shift_shape``
+        that does not broadcast against ``x``.
+    """
+    xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, scale=scale)
+    x = check.float_array(x, "x", xp)
+    dy = check.float_array(dy, "dy", xp)
+    check.same_shape(dy, "dy", x)
+    mean = check.float_array(mean, "mean", xp)
+    rstd = check.float_array(rstd, "rstd", xp)
+    k = check.saved_stats(x, mean=mean, rstd=rstd)
+    scale = check.float_array(scale, "scale", xp)
+    check.broadcast_modulation(scale, "scale", x)
+    shift_shape = scale.shape if shift_shape is None else tuple(shift_shape)
+    check.broadcast_modulation(np.empty(shift_shape, dtype=np.int8), "shift_shape", x)
+    if xp is not np:
+        return reference.ada_layer_norm_backward(dy, x, mean, rstd, scale, shift_shape=shift_shape)
+    acc = mean.dtype
+    dya = dy.astype(acc, copy=False)
+    g = dya * (1 + scale.astype(acc, copy=False))
+    dx, _, _ = _backward_numpy(as_rows(g, k), as_rows(x, k), mean.reshape(-1), rstd.reshape(-1), None)
+    xhat = (x.astype(acc) - mean.reshape(mean.shape + (1,) * k)) * rstd.reshape(rstd.shape + (1,) * k)
+    dshift = reference._sum_to_shape(dya, shift_shape).astype(scale.dtype, copy=False)
+    dscale = reference._sum_to_shape(dya * xhat, scale.shape).astype(scale.dtype, copy=False)
+    return dx.reshape(x.shape), dshift, dscale
+
+
+def _silu(c):
+    return c / (1 + np.exp(-c))
+
+
+def adaln_modulation(c, weight, bias, *, chunks=3):
+    r"""The adaLN conditioning layer: ``SiLU(c) @ weight + bias``, split into ``chunks`` parts.
+
+    Parameters
+    ----------
+    c : ndarray, shape ``(B, C)``
+        Conditioning vectors (e.g. time-step plus class embedding), floating.
+    weight : ndarray, shape ``(C, chunks * D)``
+    bias : ndarray, shape ``(chunks * D,)``
+    chunks : int, default 3
+        3 gives ``(shift, scale, gate)``; DiT uses 6 (two sets, for attention and MLP).
+
+    Returns
+    -------
+    tuple of ``chunks`` ndarrays, each ``(B, D)``
+        In the order shift, scale, gate (then again for a second set).
+
+    Raises
+    ------
+    TypeError
+        A non-floating array, or arrays from different array libraries.
+    ValueError
+        ``c`` not 2-d; ``weight`` not ``(C, chunks * D)``; ``bias`` not ``(chunks * D,)``.
+    """
+    xp = get_array_module(c=c, weight=weight, bias=bias)
+    c, weight, bias = _modulation_inputs(c, weight, bias, chunks, xp)
+    out = _silu(c) @ weight + bias
+    return tuple(xp.split(out, chunks, axis=-1))
+
+
+def adaln_modulation_backward(doutputs, c, weight):
+    r"""Backward of :func:`adaln_modulation`.
+
+    Parameters
+    ----------
+    doutputs : sequence of ndarrays, each ``(B, D)``
+        Gradients with respect to each output (e.g. ``(dshift, dscale, dgate)``); ``None``
+        entries count as zero.
+    c, weight : ndarray
+        The forward inputs.
+
+    Returns
+    -------
+    dc : ndarray, shape ``(B, C)``
+    dweight : ndarray, shape ``(C, chunks * D)``
+    dbias : ndarray, shape ``(chunks * D,)``
+    """
+    xp = get_array_module(c=c, weight=weight)
+    c = check.float_array(c, "c", xp)
+    weight = check.float_array(weight, "weight", xp)
+    chunks = len(doutputs)
+    d = weight.shape[-1] // chunks if weight.ndim == 2 else 0
+    c, weight, _ = _modulation_inputs(c, weight, xp.zeros(weight.shape[-1:], weight.dtype), chunks, xp)
+    parts = []
+    for i, g in enumerate(doutputs):
+        if g is None:
+            g = xp.zeros((c.shape[0], d), dtype=weight.dtype)
+        g = check.float_array(g, f"doutputs[{i}]", xp)
+        if g.shape != (c.shape[0], d):
+            raise ValueError(f"doutputs[{i}] must have shape {(c.shape[0], d)}, got {g.shape}")
+        parts.append(g)
+    dout = xp.concatenate(parts, axis=-1)
+    sig = 1 / (1 + xp.exp(-c))
+    h = c * sig
+    dh = dout @ weight.T
+    dc = dh * sig * (1 + c * (1 - sig))  # d SiLU(c)/dc = sig + c sig (1 - sig)
+    return dc, h.T @ dout, dout.sum(axis=0)
+
+
+def adaln_zero_init(cond_dim, dim, *, chunks=3, dtype=np.float32):
+    """The adaLN-Zero initialisation: ``weight`` of zeros ``(cond_dim, chunks * dim)`` and ``bias`` of zeros."""
+    return np.zeros((cond_dim, chunks * dim), dtype=dtype), np.zeros(chunks * dim, dtype=dtype)
+
+
+def _modulation_inputs(c, weight, bias, chunks, xp):
+    c = check.float_array(c, "c", xp)
+    weight = check.float_array(weight, "weight", xp)
+    bias = check.float_array(bias, "bias", xp)
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    if c.ndim != 2:
+        raise ValueError(f"c must be 2-d (batch, cond_dim), got shape {c.shape}")
+    if weight.ndim != 2 or weight.shape[0] != c.shape[1] or weight.shape[1] % chunks:
+        raise ValueError(
+            f"weight must have shape (cond_dim={c.shape[1]}, chunks*D) with chunks={chunks}, got {weight.shape}"
+        )
+    if bias.shape != (weight.shape[1],):
+        raise ValueError(f"bias must have shape ({weight.shape[1]},), got {bias.shape}")
+    return c, weight, bias

@@ -1,0 +1,220 @@
+r"""Small layer objects for building NumPy networks in the exercises.
+
+Each layer holds its parameters and, after :meth:`backward`, their gradients (``dweight``,
+``dbias``, ...), and remembers what its last :meth:`forward` saved. A forward/backward pair is
+one step: call ``backward`` after the ``forward`` whose gradient you want.
+"""
+
+import numpy as np
+
+from .ada_norm import (ada_layer_norm_backward, ada_layer_norm_forward, adaln_modulation,
+                       adaln_modulation_backward, adaln_zero_init)
+from .batch_norm import batch_norm_backward, batch_norm_forward
+from .layer_norm import layer_norm_backward, layer_norm_forward
+from .rms_norm import rms_norm_backward, rms_norm_forward
+
+__all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm"]
+
+
+def _shape(normalized_shape):
+    if isinstance(normalized_shape, (int, np.integer)):
+        return (int(normalized_shape),)
+    return tuple(int(n) for n in normalized_shape)
+
+
+class _Saved:
+    """Mixin: what the last forward saved, with a clear error if backward comes first."""
+
+    _saved = None
+
+    def _take(self):
+        if self._saved is None:
+            raise RuntimeError(f"{type(self).__name__}.backward called before forward")
+        return self._saved
+
+
+class LayerNorm(_Saved):
+    """LayerNorm over the trailing ``normalized_shape`` axes, with weight and bias.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+    eps : float, default 1e-5
+    elementwise_affine : bool, default True
+        Whether to hold a weight (ones) and, if ``bias``, a bias (zeros).
+    bias : bool, default True
+    dtype : dtype, default float32
+
+    Attributes
+    ----------
+    weight, bias : ndarray or None
+    dweight, dbias : ndarray or None
+        Gradients from the last :meth:`backward`.
+    """
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, dtype=np.float32):
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.weight = np.ones(self.normalized_shape, dtype) if elementwise_affine else None
+        self.bias = np.zeros(self.normalized_shape, dtype) if elementwise_affine and bias else None
+        self.dweight = self.dbias = None
+
+    def forward(self, x):
+        y, mean, rstd = layer_norm_forward(x, self.weight, self.bias, eps=self.eps,
+                                           normalized_ndim=len(self.normalized_shape))
+        self._saved = (x, mean, rstd)
+        return y
+
+    def backward(self, dy):
+        x, mean, rstd = self._take()
+        dx, dweight, dbias = layer_norm_backward(dy, x, mean, rstd, self.weight)
+        self.dweight = dweight if self.weight is not None else None
+        self.dbias = dbias if self.bias is not None else None
+        return dx
+
+    __call__ = forward
+
+
+class RMSNorm(_Saved):
+    """RMSNorm over the trailing ``normalized_shape`` axes, with a weight (gain).
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+    eps : float, default 1e-6
+    elementwise_affine : bool, default True
+    dtype : dtype, default float32
+    """
+
+    def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32):
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.weight = np.ones(self.normalized_shape, dtype) if elementwise_affine else None
+        self.dweight = None
+
+    def forward(self, x):
+        y, rstd = rms_norm_forward(x, self.weight, eps=self.eps, normalized_ndim=len(self.normalized_shape))
+        self._saved = (x, rstd)
+        return y
+
+    def backward(self, dy):
+        x, rstd = self._take()
+        dx, dweight = rms_norm_backward(dy, x, rstd, self.weight)
+        self.dweight = dweight if self.weight is not None else None
+        return dx
+
+    __call__ = forward
+
+
+class AdaLN(_Saved):
+    """Adaptive LayerNorm with its conditioning layer (adaLN-Zero by default), as in DiT.
+
+    ``forward(x, c)`` maps the conditioning ``c`` (B, cond_dim) to shift, scale and gate
+    (B, dim) with :func:`lnlib.adaln_modulation`, and returns ``(y, gate)`` where
+    ``y = LN(x) * (1 + scale) + shift``; for ``x`` of shape (B, T, dim) the modulation is
+    broadcast over T and ``gate`` comes back as (B, 1, dim). The gate multiplies the residual
+    branch that follows, outside this layer.
+
+    Parameters
+    ----------
+    dim : int
+        Size of the last axis of ``x``.
+    cond_dim : int
+    eps : float, default 1e-6
+    zero_init : bool, default True
+        adaLN-Zero (weight and bias zero). Otherwise the weight is drawn from
+        N(0, 1/cond_dim) with ``rng``.
+    rng : numpy.random.Generator, optional
+    dtype : dtype, default float32
+
+    Attributes
+    ----------
+    weight : ndarray (cond_dim, 3 * dim)
+    bias : ndarray (3 * dim,)
+    dweight, dbias : ndarray or None
+    """
+
+    def __init__(self, dim, cond_dim, eps=1e-6, zero_init=True, rng=None, dtype=np.float32):
+        self.dim, self.cond_dim, self.eps = int(dim), int(cond_dim), eps
+        self.weight, self.bias = adaln_zero_init(self.cond_dim, self.dim, dtype=dtype)
+        if not zero_init:
+            rng = np.random.default_rng() if rng is None else rng
+            self.weight[...] = rng.normal(0.0, self.cond_dim ** -0.5, self.weight.shape)
+        self.dweight = self.dbias = None
+
+    def forward(self, x, c):
+        shift, scale, gate = adaln_modulation(c, self.weight, self.bias)
+        expand = (slice(None),) + (None,) * (np.ndim(x) - 2)
+        shift, scale, gate = shift[expand], scale[expand], gate[expand]
+        y, mean, rstd = ada_layer_norm_forward(x, shift, scale, eps=self.eps)
+        self._saved = (x, c, mean, rstd, scale, expand)
+        return y, gate
+
+    def backward(self, dy, dgate=None):
+        """Return ``(dx, dc)`` from the gradients of ``y`` and (optionally) of ``gate``."""
+        x, c, mean, rstd, scale, expand = self._take()
+        dx, dshift, dscale = ada_layer_norm_backward(dy, x, mean, rstd, scale)
+        squeeze = tuple(range(1, np.ndim(x) - 1))
+        dmod = [d.reshape(d.shape[0], -1) if squeeze else d for d in (dshift, dscale)]
+        if dgate is not None:
+            dgate = np.asarray(dgate)
+            dgate = dgate.sum(axis=tuple(i for i in squeeze if dgate.shape[i] != 1), keepdims=True)
+            dmod.append(dgate.reshape(dgate.shape[0], -1))
+        else:
+            dmod.append(None)
+        dc, self.dweight, self.dbias = adaln_modulation_backward(dmod, c, self.weight)
+        return dx, dc
+
+    __call__ = forward
+
+
+class BatchNorm(_Saved):
+    """BatchNorm over (N, C, ...) with running statistics, for comparison with LayerNorm.
+
+    Parameters
+    ----------
+    num_features : int
+        Number of channels C.
+    eps : float, default 1e-5
+    momentum : float, default 0.1
+    affine : bool, default True
+    dtype : dtype, default float32
+
+    Attributes
+    ----------
+    training : bool
+        True (the default) uses batch statistics and updates the running ones; set with
+        :meth:`train` and :meth:`eval`.
+    running_mean, running_var : ndarray (C,)
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype=np.float32):
+        self.eps, self.momentum = eps, momentum
+        self.weight = np.ones(num_features, dtype) if affine else None
+        self.bias = np.zeros(num_features, dtype) if affine else None
+        self.running_mean = np.zeros(num_features, dtype)
+        self.running_var = np.ones(num_features, dtype)
+        self.training = True
+        self.dweight = self.dbias = None
+
+    def train(self, mode=True):
+        self.training = bool(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def forward(self, x):
+        y, mean, rstd = batch_norm_forward(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                           training=self.training, momentum=self.momentum, eps=self.eps)
+        self._saved = (x, mean, rstd, self.training)
+        return y
+
+    def backward(self, dy):
+        x, mean, rstd, training = self._take()
+        dx, dweight, dbias = batch_norm_backward(dy, x, mean, rstd, self.weight, training=training)
+        self.dweight = dweight if self.weight is not None else None
+        self.dbias = dbias if self.bias is not None else None
+        return dx
+
+    __call__ = forward

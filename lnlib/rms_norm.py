@@ -1,0 +1,186 @@
+r"""Root-mean-square layer normalization (Zhang and Sennrich, 2019): forward and backward."""
+
+import numpy as np
+
+from . import _validate as check
+from . import reference
+from ._backend import accumulation_dtype, get_array_module
+from ._rows import as_rows, load_block, run_chunks
+from .layer_norm import _flat
+
+__all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
+
+
+def rms_norm(x, weight=None, *, eps=1e-6, normalized_ndim=1):
+    r"""RMS normalization of ``x`` over its last ``normalized_ndim`` axes; returns ``y`` only.
+
+    Same as ``rms_norm_forward(...)[0]``; see :func:`rms_norm_forward`.
+    """
+    return rms_norm_forward(x, weight, eps=eps, normalized_ndim=normalized_ndim)[0]
+
+
+def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1):
+    r"""RMSNorm forward pass: rescale each row by its root mean square, without centring.
+
+    .. math::
+
+        \mathrm{rstd} = \Big(\frac{1}{H}\sum_{i=1}^{H} x_i^2 + \epsilon\Big)^{-1/2}, \qquad
+        y_i = x_i\,\mathrm{rstd}\,\gamma_i .
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        Input; never modified; any strides are accepted.
+    weight : ndarray of shape ``norm``, optional
+        Elementwise gain :math:`\gamma` (default 1).
+    eps : float, default 1e-6
+        Added to the mean square inside the square root; finite and >= 0.
+    normalized_ndim : int, default 1
+        Number of trailing axes normalized over.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+    rstd : ndarray, shape ``lead``
+        float32 for float16/float32 ``x``, float64 for float64.
+
+    Raises
+    ------
+    TypeError
+        A non-floating array, or arrays from different array libraries.
+    ValueError
+        ``weight`` not of shape ``norm``; ``eps`` negative or not finite; ``normalized_ndim``
+        outside ``1..x.ndim``; an empty normalized axis.
+
+    Notes
+    -----
+    Covered in the book, chapter "Variants". Matches :func:`torch.nn.functional.rms_norm`
+    with the same ``eps``.
+
+    References
+    ----------
+    B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019.
+    """
+    xp = get_array_module(x=x, weight=weight)
+    x = check.float_array(x, "x", xp)
+    eps = check.eps_value(eps)
+    k = check.normalized_ndim_value(x, normalized_ndim)
+    norm = x.shape[x.ndim - k :]
+    weight = check.optional_param(weight, "weight", norm, xp)
+    if xp is not np:
+        return reference.rms_norm_forward(x, weight, eps=eps, normalized_ndim=k)
+    y, rstd = _forward_numpy(as_rows(x, k), _flat(weight, x), eps)
+    return y.reshape(x.shape), rstd.reshape(x.shape[: x.ndim - k])
+
+
+def rms_norm_backward(dy, x, rstd, weight=None):
+    r"""RMSNorm backward pass.
+
+    With :math:`\hat{x} = x\,\mathrm{rstd}` and :math:`g = dy\,\gamma`, per row
+
+    .. math::
+
+        dx = \mathrm{rstd}\,\big(g - \hat{x}\;\overline{g\hat{x}}\big), \qquad
+        d\gamma = \sum_{\text{rows}} dy\,\hat{x},
+
+    where the bar is the mean over the normalized axes (exact, ``eps`` included).
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+    x : ndarray, float16, float32 or float64
+    rstd : ndarray, shape ``lead``
+        As returned by :func:`rms_norm_forward`; ``x.ndim - rstd.ndim`` axes are normalized.
+    weight : ndarray of shape ``norm``, optional
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+    dweight : ndarray, shape ``norm``, dtype of ``weight`` (of ``x`` when ``weight`` is None)
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`lnlib.layer_norm_backward`.
+    """
+    xp = get_array_module(dy=dy, x=x, rstd=rstd, weight=weight)
+    x = check.float_array(x, "x", xp)
+    dy = check.float_array(dy, "dy", xp)
+    check.same_shape(dy, "dy", x)
+    rstd = check.float_array(rstd, "rstd", xp)
+    k = check.saved_stats(x, rstd=rstd)
+    norm = x.shape[x.ndim - k :]
+    weight = check.optional_param(weight, "weight", norm, xp)
+    if xp is not np:
+        return reference.rms_norm_backward(dy, x, rstd, weight)
+    dx, dweight = _backward_numpy(as_rows(dy, k), as_rows(x, k), rstd.reshape(-1), _flat(weight, x))
+    pdtype = x.dtype if weight is None else weight.dtype
+    return dx.reshape(x.shape), dweight.reshape(norm).astype(pdtype)
+
+
+def _forward_numpy(x, weight, eps, *, block_rows=None, threads=None):
+    """Fast forward on a matrix ``x`` (M, N): returns y (M, N) and rstd (M,)."""
+    m, n = x.shape
+    acc = accumulation_dtype(x.dtype)
+    y = np.empty((m, n), dtype=x.dtype)
+    rstd = np.empty(m, dtype=acc)
+
+    def chunk(start, stop, rows):
+        xbuf = np.empty((min(rows, stop - start), n), dtype=acc)
+        tmp = np.empty_like(xbuf)
+        for i in range(start, stop, rows):
+            j = min(i + rows, stop)
+            b, r = slice(0, j - i), rstd[i:j]
+            xb = load_block(x[i:j], xbuf, acc)
+            np.multiply(xb, xb, out=tmp[b])
+            np.add.reduce(tmp[b], axis=1, out=r)
+            r /= n
+            r += eps
+            np.sqrt(r, out=r)
+            np.divide(1, r, out=r)
+            out = y[i:j] if y.dtype == acc else tmp[b]
+            np.multiply(xb, r[:, None], out=out)
+            if weight is not None:
+                out *= weight
+            if y.dtype != acc:
+                np.copyto(y[i:j], out, casting="same_kind")
+
+    run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
+    return y, rstd
+
+
+def _backward_numpy(dy, x, rstd, weight, *, block_rows=None, threads=None):
+    """Fast backward on matrices (M, N): returns dx (M, N) and dweight (N,) in acc dtype."""
+    m, n = x.shape
+    acc = rstd.dtype
+    dx = np.empty((m, n), dtype=x.dtype)
+
+    def chunk(start, stop, rows):
+        r0 = min(rows, stop - start)
+        xhat, tmp, gbuf, dybuf = (np.empty((r0, n), dtype=acc) for _ in range(4))
+        c2 = np.empty(r0, dtype=acc)
+        colsum = np.empty(n, dtype=acc)
+        dweight = np.zeros(n, dtype=acc)
+        for i in range(start, stop, rows):
+            j = min(i + rows, stop)
+            b, r = slice(0, j - i), rstd[i:j, None]
+            xb = load_block(x[i:j], tmp, acc)
+            np.multiply(xb, r, out=xhat[b])
+            g = dyb = load_block(dy[i:j], dybuf, acc)
+            np.multiply(dyb, xhat[b], out=tmp[b])
+            dweight += np.add.reduce(tmp[b], axis=0, out=colsum)
+            if weight is not None:
+                g = np.multiply(dyb, weight, out=gbuf[b])
+                np.multiply(g, xhat[b], out=tmp[b])
+            np.add.reduce(tmp[b], axis=1, out=c2[b])
+            c2[b] /= n
+            xhat[b] *= c2[b, None]
+            np.subtract(g, xhat[b], out=xhat[b])
+            np.multiply(xhat[b], r, out=dx[i:j], casting="same_kind")
+        return dweight
+
+    parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
+    dweight = parts[0]
+    for dw in parts[1:]:
+        dweight += dw
+    return dx, dweight
