@@ -1,0 +1,333 @@
+r"""Benchmark of lnlib's CPU LayerNorm against PyTorch, and of the steps that made it fast.
+
+Run ``python -m lnlib.bench`` (``--help`` for the options). For each shape and dtype it times,
+in one process and interleaved (each repeat runs every contender once, in turn, so that a
+slow moment of the machine hits all of them alike):
+
+* ``lnlib_fwd``: :func:`lnlib.layer_norm_forward`;
+* ``torch_fwd``: ``torch.nn.functional.layer_norm`` on the same memory (CPU, torch's default
+  number of threads, no autograd);
+* ``lnlib_fwdbwd``: :func:`lnlib.layer_norm_forward` then :func:`lnlib.layer_norm_backward`;
+* ``torch_fwdbwd``: ``F.layer_norm`` then ``backward`` through autograd, with ``x``, weight and
+  bias requiring gradients;
+
+and reports medians, the ratio torch time / lnlib time (above 1: lnlib is faster), the
+effective bandwidth and its fraction of the machine's memory-copy bandwidth, measured in the
+same run with ``np.copyto`` on arrays much larger than the caches.
+
+Bytes counted are the compulsory traffic only: the forward reads ``x`` and writes ``y``
+(2 x M x H elements) plus the small ``mean``/``rstd``/parameters; the forward+backward adds
+reading ``dy`` and ``x`` and writing ``dx`` (5 x M x H in all). A copy reads and writes its
+array once (2 x size), so "fraction of copy bandwidth" says how close LayerNorm comes to
+doing nothing but moving its data.
+
+``--steps`` times the successive optimisations of the forward (the chapter's plot): the
+readable reference; the fused version with preallocated scratch and ``out=`` arguments over
+the whole array in one thread; the same, row-blocked so a block stays in cache across the
+passes; and blocked with one thread per core. Every variant is checked against the reference
+before it is timed.
+
+Book: Chapter 5, "Performance".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+import lnlib
+from lnlib import reference
+
+DEFAULT_SHAPES = "4096x4096,32768x768"
+QUICK_SHAPES = "256x1024,1024x256"
+
+
+def parse_shapes(text):
+    """``"4096x4096,32768x768"`` -> ``[(4096, 4096), (32768, 768)]``."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--shapes: expected items like 4096x4096, got {item!r}")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return shapes
+
+
+def _median_times(tasks, repeats, warmup=1):
+    """Run each task once per repeat, in turn; return {name: [seconds, ...]}."""
+    for _ in range(warmup):
+        for fn in tasks.values():
+            fn()
+    times = {name: [] for name in tasks}
+    for _ in range(repeats):
+        for name, fn in tasks.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def copy_bandwidth(n_bytes, repeats, threads=None):
+    """Memory-copy bandwidth in GB/s (bytes read + written / median time).
+
+    Returns a dict with the single-thread ``np.copyto`` figure and a figure for the copy split
+    into one contiguous chunk per thread (``threads`` defaults to the cores available).
+    """
+    n = max(1, n_bytes // 4)
+    src = np.ones(n, dtype=np.float32)
+    dst = np.zeros_like(src)
+    threads = threads or lnlib_cpu_threads()
+    bounds = np.linspace(0, n, threads + 1).astype(int)
+    pool = ThreadPoolExecutor(max_workers=threads)
+
+    def threaded():
+        list(pool.map(lambda i: np.copyto(dst[bounds[i]:bounds[i + 1]],
+                                          src[bounds[i]:bounds[i + 1]]), range(threads)))
+
+    try:
+        times = _median_times({"copy": lambda: np.copyto(dst, src), "copy_threads": threaded},
+                              repeats)
+    finally:
+        pool.shutdown()
+    moved = 2 * src.nbytes
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "bytes": moved,
+        "copy_s": med["copy"],
+        "copy_GBps": moved / med["copy"] / 1e9,
+        "copy_threads": threads,
+        "copy_threads_s": med["copy_threads"],
+        "copy_threads_GBps": moved / med["copy_threads"] / 1e9,
+    }
+
+
+def lnlib_cpu_threads():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _inputs(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    m, h = shape
+    x = rng.standard_normal((m, h), dtype=np.float32).astype(dtype, copy=False)  # (M, H)
+    weight = (1.0 + 0.1 * rng.standard_normal(h)).astype(dtype)  # (H,)
+    bias = (0.1 * rng.standard_normal(h)).astype(dtype)  # (H,)
+    dy = rng.standard_normal((m, h), dtype=np.float32).astype(dtype, copy=False)  # (M, H)
+    return x, weight, bias, dy
+
+
+def bench_shape(shape, dtype, repeats, copy_GBps, eps=1e-5):
+    """Time lnlib and torch forward and forward+backward on one shape; return a result dict."""
+    import torch
+    import torch.nn.functional as F
+
+    m, h = shape
+    x, weight, bias, dy = _inputs(shape, dtype)
+    xt, wt, bt, dyt = (torch.from_numpy(a) for a in (x, weight, bias, dy))
+    wg, bg = wt.clone().requires_grad_(), bt.clone().requires_grad_()
+
+    def lnlib_fwd():
+        return lnlib.layer_norm_forward(x, weight, bias, eps=eps)
+
+    def torch_fwd():
+        with torch.no_grad():
+            return F.layer_norm(xt, (h,), wt, bt, eps)
+
+    def lnlib_fwdbwd():
+        y, mean, rstd = lnlib.layer_norm_forward(x, weight, bias, eps=eps)
+        return lnlib.layer_norm_backward(dy, x, mean, rstd, weight)
+
+    def torch_fwdbwd():
+        wg.grad = bg.grad = None
+        xg = xt.detach().requires_grad_()
+        F.layer_norm(xg, (h,), wg, bg, eps).backward(dyt)
+        return xg.grad, wg.grad, bg.grad
+
+    # Time only what has been checked: lnlib against torch, once, before timing.
+    y_l, dx_l = lnlib_fwd()[0], lnlib_fwdbwd()[0]
+    y_t, dx_t = torch_fwd().numpy(), torch_fwdbwd()[0].numpy()
+    tol = 1e-3 if np.dtype(dtype).itemsize <= 2 else 1e-4
+    err_fwd = float(np.max(np.abs(y_l.astype(np.float64) - y_t)))
+    err_bwd = float(np.max(np.abs(dx_l.astype(np.float64) - dx_t)))
+    if not (err_fwd < tol * 10 and err_bwd < tol * 10):
+        raise AssertionError(f"lnlib and torch disagree on {shape} {dtype}: "
+                             f"forward {err_fwd:.3g}, backward {err_bwd:.3g}")
+
+    tasks = {"lnlib_fwd": lnlib_fwd, "torch_fwd": torch_fwd,
+             "lnlib_fwdbwd": lnlib_fwdbwd, "torch_fwdbwd": torch_fwdbwd}
+    times = _median_times(tasks, repeats)
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    item = np.dtype(dtype).itemsize
+    stats = 2 * m * 4 + 2 * h * item  # mean, rstd (float32) and weight, bias
+    bytes_fwd = 2 * m * h * item + stats
+    bytes_fwdbwd = 5 * m * h * item + 2 * stats
+    row = {
+        "shape": [m, h], "dtype": np.dtype(dtype).name, "repeats": repeats,
+        "max_abs_diff_fwd": err_fwd, "max_abs_diff_dx": err_bwd,
+        "bytes_fwd": bytes_fwd, "bytes_fwdbwd": bytes_fwdbwd,
+    }
+    for k, v in med.items():
+        row[f"{k}_s"] = v
+        row[f"{k}_all_s"] = times[k]
+    for kind, nbytes in (("fwd", bytes_fwd), ("fwdbwd", bytes_fwdbwd)):
+        for who in ("lnlib", "torch"):
+            gbps = nbytes / med[f"{who}_{kind}"] / 1e9
+            row[f"{who}_{kind}_GBps"] = gbps
+            row[f"{who}_{kind}_copy_fraction"] = gbps / copy_GBps
+        row[f"{kind}_speedup"] = med[f"torch_{kind}"] / med[f"lnlib_{kind}"]
+    return row
+
+
+def step_variants(x, weight, bias, eps):
+    """The successive forward implementations of the chapter, as (name, callable) pairs."""
+    from lnlib.layer_norm import _forward_numpy
+
+    m = x.shape[0]
+    return [
+        ("reference (readable)",
+         lambda: reference.layer_norm_forward(x, weight, bias, eps=eps)),
+        ("fused, out= (1 thread)",
+         lambda: _forward_numpy(x, weight, bias, eps, block_rows=m, threads=1)),
+        ("row-blocked (1 thread)",
+         lambda: _forward_numpy(x, weight, bias, eps, threads=1)),
+        ("row-blocked + threads",
+         lambda: _forward_numpy(x, weight, bias, eps)),
+    ]
+
+
+def bench_steps(shape, dtype, repeats, copy_GBps, eps=1e-5):
+    """Time each optimisation step of the forward on one shape (checked first)."""
+    import torch
+    import torch.nn.functional as F
+
+    m, h = shape
+    x, weight, bias, _ = _inputs(shape, dtype)
+    xt, wt, bt = (torch.from_numpy(a) for a in (x, weight, bias))
+    y_ref = reference.layer_norm_forward(x, weight, bias, eps=eps)[0].astype(np.float64)
+    tasks = {}
+    errors = {}
+    for name, fn in step_variants(x, weight, bias, eps):
+        errors[name] = float(np.max(np.abs(fn()[0].astype(np.float64) - y_ref)))
+        if errors[name] > 1e-3:
+            raise AssertionError(f"step {name!r} differs from the reference by {errors[name]}")
+        tasks[name] = fn
+
+    def torch_fwd():
+        with torch.no_grad():
+            return F.layer_norm(xt, (h,), wt, bt, eps)
+
+    tasks["torch F.layer_norm"] = torch_fwd
+    times = _median_times(tasks, repeats)
+    nbytes = 2 * m * h * np.dtype(dtype).itemsize
+    base = statistics.median(times["reference (readable)"])
+    steps = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        steps.append({"step": name, "time_s": med, "GBps": nbytes / med / 1e9,
+                      "copy_fraction": nbytes / med / 1e9 / copy_GBps,
+                      "speedup_vs_reference": base / med,
+                      "max_abs_err_vs_reference": errors.get(name)})
+    return {"shape": [m, h], "dtype": np.dtype(dtype).name, "repeats": repeats,
+            "steps": steps}
+
+
+def machine_info():
+    import torch
+
+    return {
+        "platform": platform.platform(), "processor": platform.processor(),
+        "python": platform.python_version(), "numpy": np.__version__,
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "cpu_threads": lnlib_cpu_threads(),
+    }
+
+
+def format_table(results, copy):
+    """The comparison as a plain-text table."""
+    head = (f"{'shape':>12} {'dtype':>8} | {'pass':>7} {'lnlib ms':>9} {'torch ms':>9} "
+            f"{'speedup':>8} {'GB/s':>7} {'of copy':>8}")
+    lines = [f"memory copy (np.copyto): {copy['copy_GBps']:.2f} GB/s; "
+             f"{copy['copy_threads']} threads: {copy['copy_threads_GBps']:.2f} GB/s", head,
+             "-" * len(head)]
+    for r in results:
+        shape = "x".join(map(str, r["shape"]))
+        for kind, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+            lines.append(
+                f"{shape:>12} {r['dtype']:>8} | {label:>7} {r[f'lnlib_{kind}_s'] * 1e3:9.2f} "
+                f"{r[f'torch_{kind}_s'] * 1e3:9.2f} {r[f'{kind}_speedup']:7.2f}x "
+                f"{r[f'lnlib_{kind}_GBps']:7.2f} {r[f'lnlib_{kind}_copy_fraction']:7.0%}")
+    return "\n".join(lines)
+
+
+def format_steps(steps_results):
+    lines = []
+    for s in steps_results:
+        lines.append(f"steps on {'x'.join(map(str, s['shape']))} {s['dtype']}:")
+        for st in s["steps"]:
+            lines.append(f"  {st['step']:<26} {st['time_s'] * 1e3:9.2f} ms "
+                         f"{st['GBps']:7.2f} GB/s {st['copy_fraction']:6.0%} of copy "
+                         f"{st['speedup_vs_reference']:6.2f}x")
+    return "\n".join(lines)
+
+
+def run(shapes, dtypes, repeats, *, steps=False, copy_bytes=1 << 28, copy_repeats=None):
+    """Run the benchmark and return the results as a JSON-ready dict."""
+    copy = copy_bandwidth(copy_bytes, copy_repeats or repeats)
+    out = {"machine": machine_info(), "copy": copy, "results": [], "steps": []}
+    for dtype in dtypes:
+        for shape in shapes:
+            out["results"].append(bench_shape(shape, dtype, repeats, copy["copy_GBps"]))
+            if steps:
+                out["steps"].append(bench_steps(shape, dtype, repeats, copy["copy_GBps"]))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m lnlib.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated MxH (default {DEFAULT_SHAPES}; --quick: {QUICK_SHAPES})")
+    p.add_argument("--dtypes", default="float32", help="comma-separated (default float32)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="interleaved repeats per contender (default 21; --quick: 3)")
+    p.add_argument("--steps", action="store_true",
+                   help="also time the successive optimisation steps of the forward")
+    p.add_argument("--out", default=None, help="write the results as JSON to this file")
+    p.add_argument("--quick", action="store_true",
+                   help="small shapes, few repeats, a small copy: a smoke run of seconds")
+    args = p.parse_args(argv)
+
+    shapes = parse_shapes(args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES))
+    dtypes = [np.dtype(d.strip()) for d in args.dtypes.split(",")]
+    for d in dtypes:
+        if d.kind != "f":
+            p.error(f"--dtypes: expected floating dtypes, got {d}")
+    repeats = args.repeats or (3 if args.quick else 21)
+    if repeats < 1:
+        p.error("--repeats: expected a positive number")
+    copy_bytes = (1 << 24) if args.quick else (1 << 28)
+    result = run(shapes, dtypes, repeats, steps=args.steps, copy_bytes=copy_bytes)
+    result["command"] = "python -m lnlib.bench " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    print(format_table(result["results"], result["copy"]))
+    if result["steps"]:
+        print(format_steps(result["steps"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Smoke test of ``python -m lnlib.bench`` on tiny shapes (seconds, not a measurement)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from lnlib import bench  # noqa: E402
+
+FIELDS = [
+    "shape", "dtype", "repeats", "bytes_fwd", "bytes_fwdbwd",
+    "lnlib_fwd_s", "torch_fwd_s", "lnlib_fwdbwd_s", "torch_fwdbwd_s",
+    "fwd_speedup", "fwdbwd_speedup",
+    "lnlib_fwd_GBps", "torch_fwd_GBps", "lnlib_fwdbwd_GBps", "torch_fwdbwd_GBps",
+    "lnlib_fwd_copy_fraction", "lnlib_fwdbwd_copy_fraction",
+    "max_abs_diff_fwd", "max_abs_diff_dx",
+]
+
+
+def test_parse_shapes():
+    assert bench.parse_shapes("4096x4096, 32768x768") == [(4096, 4096), (32768, 768)]
+    for bad in ("4096", "4096x", "0x5", "ax4"):
+        with pytest.raises(ValueError, match="--shapes"):
+            bench.parse_shapes(bad)
+
+
+def test_quick_run_writes_the_table_fields(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    result = bench.main(["--quick", "--shapes", "16x64,40x24", "--dtypes", "float32,float64",
+                         "--repeats", "2", "--steps", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "speedup" in printed and "of copy" in printed and "fwd+bwd" in printed
+    data = json.loads(out.read_text())
+    assert data["copy"]["copy_GBps"] > 0 and data["copy"]["bytes"] > 0
+    assert data["machine"]["torch_threads"] >= 1
+    assert len(data["results"]) == 4
+    for row in data["results"]:
+        for field in FIELDS:
+            assert field in row, field
+        assert len(row["lnlib_fwd_all_s"]) == 2
+        m, h = row["shape"]
+        item = 4 if row["dtype"] == "float32" else 8
+        assert row["bytes_fwd"] >= 2 * m * h * item
+        assert row["fwd_speedup"] == pytest.approx(row["torch_fwd_s"] / row["lnlib_fwd_s"])
+        assert row["lnlib_fwd_copy_fraction"] == pytest.approx(
+            row["lnlib_fwd_GBps"] / data["copy"]["copy_GBps"])
+    assert len(data["steps"]) == 4
+    names = [s["step"] for s in data["steps"][0]["steps"]]
+    assert names[0].startswith("reference") and names[-1].startswith("torch")
+    for s in data["steps"][0]["steps"][:-1]:
+        assert s["max_abs_err_vs_reference"] < 1e-5
+    assert result["results"] == data["results"]
+
+
+def test_command_line_rejects_bad_dtype():
+    proc = subprocess.run([sys.executable, "-m", "lnlib.bench", "--quick", "--dtypes", "int32"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--dtypes" in proc.stderr
