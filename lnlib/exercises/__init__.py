@@ -15,10 +15,13 @@ PASS double: all 1 cases pass.
 >>> bool(result)
 True
 
+:func:`glue` records a value for the book's prose (MyST-NB's ``glue`` where it is
+installed, a plain display elsewhere, so notebooks also run in Colab).
+
 Chapter modules (``intro``, ``ch01``, ``ch02``, ``ch05``) hold the checkers of
 each chapter and are imported on their own: ``from lnlib.exercises import intro``.
 """
 
-from ._core import Case, CheckResult, Failure, check
+from ._core import Case, CheckResult, Failure, check, glue
 
-__all__ = ["Case", "CheckResult", "Failure", "check"]
+__all__ = ["Case", "CheckResult", "Failure", "check", "glue"]

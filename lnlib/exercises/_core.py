@@ -299,3 +299,22 @@ def check(user_fn: Callable, reference_fn: Callable, cases: Sequence[Case], *,
     if verbose:
         print(message)
     return result
+
+
+def glue(name: str, value: Any, display: bool = True) -> None:
+    """Record ``value`` under ``name`` for the book's prose (MyST-NB ``glue``).
+
+    In the book build MyST-NB is installed and this is :func:`myst_nb.glue`; a book page
+    then pastes the value with ``{glue:text}`` (see *How to use this book*). Where MyST-NB
+    is not installed (for example in Colab) it only displays the value when ``display``
+    is true, so the notebooks run anywhere with lnlib alone.
+    """
+    try:
+        from myst_nb import glue as myst_glue
+    except ImportError:
+        if display:
+            from IPython.display import display as show
+
+            show(value)
+        return
+    myst_glue(name, value, display=display)
