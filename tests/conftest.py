@@ -1,0 +1,43 @@
+"""Shared fixtures and helpers for the lnlib tests."""
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "lnlib", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "lnlib"))
+
+#: Tolerances against a float64 result, relative to the scale of the compared values.
+TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 4e-3}
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def assert_close(got, want, dtype, scale=None, factor=1.0):
+    """Assert ``got`` equals ``want`` to the precision of ``dtype``, relative to ``scale``.
+
+    ``scale`` defaults to the largest magnitude of ``want`` (at least 1), so errors are judged
+    against the size of the values being compared, the way float rounding behaves.
+    """
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
+    if scale is None:
+        scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
+    tol = TOL[np.dtype(dtype).type] * factor * scale
+    err = float(np.max(np.abs(got - want), initial=0.0))
+    assert err <= tol, f"max abs error {err:.3g} > {tol:.3g} ({np.dtype(dtype).name})"
+
+
+def torch_tensor(a, requires_grad=False):
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a).copy())
+    return t.requires_grad_(requires_grad)

@@ -1,0 +1,273 @@
+"""LayerNorm: against PyTorch, the reference, finite differences, and the numerical guarantees."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lnlib
+from lnlib import reference
+from conftest import assert_close, torch_tensor
+
+SHAPES = [((7, 16), 1), ((3, 5, 8), 1), ((4, 6, 5), 2), ((2, 3, 4, 5), 3), ((9,), 1), ((2, 3, 1), 1)]
+DTYPES = [np.float64, np.float32, np.float16]
+
+
+def _data(rng, shape, k, dtype, affine=True):
+    norm = shape[len(shape) - k:]
+    x = (rng.standard_normal(shape) * 3 + 1).astype(dtype)
+    w = (1 + 0.5 * rng.standard_normal(norm)).astype(dtype) if affine else None
+    b = rng.standard_normal(norm).astype(dtype) if affine else None
+    dy = rng.standard_normal(shape).astype(dtype)
+    return x, w, b, dy
+
+
+def _torch_layer_norm(x, w, b, dy, k, eps):
+    """PyTorch forward and backward; float16 is run in torch's float16 too."""
+    tx = torch_tensor(x, True)
+    tw = torch_tensor(w, True) if w is not None else None
+    tb = torch_tensor(b, True) if b is not None else None
+    ty = F.layer_norm(tx, x.shape[x.ndim - k:], tw, tb, eps)
+    ty.backward(torch_tensor(dy))
+    grads = [t.grad.numpy() if t is not None else None for t in (tx, tw, tb)]
+    return ty.detach().numpy(), grads
+
+
+@pytest.mark.parametrize("shape,k", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", [True, False])
+def test_matches_torch(rng, shape, k, dtype, affine):
+    x, w, b, dy = _data(rng, shape, k, dtype, affine)
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, b, eps=1e-5, normalized_ndim=k)
+    dx, dw, db = lnlib.layer_norm_backward(dy, x, mean, rstd, w)
+    ty, (tdx, tdw, tdb) = _torch_layer_norm(x, w, b, dy, k, 1e-5)
+    assert y.dtype == x.dtype and dx.dtype == x.dtype
+    assert mean.shape == rstd.shape == shape[: len(shape) - k]
+    assert mean.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    factor = 2.0 if dtype == np.float16 else 1.0  # torch's own float16 output is rounded too
+    assert_close(y, ty, dtype, factor=factor)
+    assert_close(dx, tdx, dtype, factor=factor * 4)
+    if affine:
+        n_rows = int(np.prod(shape[: len(shape) - k]))
+        assert dw.dtype == w.dtype
+        assert_close(dw, tdw, dtype, factor=factor * n_rows)
+        assert_close(db, tdb, dtype, factor=factor * n_rows)
+
+
+@pytest.mark.parametrize("shape,k", SHAPES)
+def test_float64_matches_torch_to_1e_10(rng, shape, k):
+    x, w, b, dy = _data(rng, shape, k, np.float64)
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, b, normalized_ndim=k)
+    ty, tgrads = _torch_layer_norm(x, w, b, dy, k, 1e-5)
+    np.testing.assert_allclose(y, ty, rtol=1e-10, atol=1e-10)
+    for got, want in zip(lnlib.layer_norm_backward(dy, x, mean, rstd, w), tgrads):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape,k", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference(rng, shape, k, dtype):
+    x, w, b, dy = _data(rng, shape, k, dtype)
+    fast = lnlib.layer_norm_forward(x, w, b, normalized_ndim=k)
+    ref = reference.layer_norm_forward(x, w, b, normalized_ndim=k)
+    for got, want in zip(fast, ref):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert_close(got, want, dtype)
+    fast = lnlib.layer_norm_backward(dy, x, *ref[1:], w)
+    refb = reference.layer_norm_backward(dy, x, *ref[1:], w)
+    for got, want in zip(fast, refb):
+        assert got.dtype == want.dtype
+        assert_close(got, want, dtype, factor=x.size)
+
+
+@pytest.mark.parametrize("shape,k", [((3, 6), 1), ((2, 3, 4), 2), ((2, 2, 2, 3), 3)])
+def test_finite_differences(rng, shape, k):
+    x, w, b, dy = _data(rng, shape, k, np.float64)
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, b, normalized_ndim=k)
+    dx, dw, db = lnlib.layer_norm_backward(dy, x, mean, rstd, w)
+    lnlib.check_grad(lambda v: lnlib.layer_norm(v, w, b, normalized_ndim=k), x, dy, dx)
+    lnlib.check_grad(lambda v: lnlib.layer_norm(x, v, b, normalized_ndim=k), w, dy, dw, name="dweight")
+    lnlib.check_grad(lambda v: lnlib.layer_norm(x, w, v, normalized_ndim=k), b, dy, db, name="dbias")
+
+
+def test_gradients_without_affine_are_those_of_unit_weight_zero_bias(rng):
+    x, w, b, dy = _data(rng, (5, 7), 1, np.float64)
+    ones, zeros = np.ones(7), np.zeros(7)
+    y, mean, rstd = lnlib.layer_norm_forward(x)
+    dx, dw, db = lnlib.layer_norm_backward(dy, x, mean, rstd)
+    lnlib.check_grad(lambda v: lnlib.layer_norm(x, v, zeros), ones, dy, dw)
+    lnlib.check_grad(lambda v: lnlib.layer_norm(x, ones, v), zeros, dy, db)
+
+
+def test_seed_worked_example():
+    """The seed tutorial's example: three 4-vectors, eps 1e-5, gamma 1.5, beta 0.5.
+
+    The seed states variances 8.3125 and 3.6875 for x2 and x3; the correct ones are 6.6875 and
+    8.1875. Its normalized values and outputs are right (to its 4 decimals).
+    """
+    x = np.array([[3.0, 5.0, 2.0, 8.0], [1.0, 3.0, 5.0, 8.0], [3.0, 2.0, 7.0, 9.0]])
+    y, mean, rstd = lnlib.layer_norm_forward(x, np.full(4, 1.5), np.full(4, 0.5), eps=1e-5)
+    var = 1 / rstd**2 - 1e-5
+    np.testing.assert_allclose(mean, [4.5, 4.25, 5.25], rtol=0, atol=1e-15)
+    np.testing.assert_allclose(var, [5.25, 6.6875, 8.1875], rtol=1e-12)
+    assert not np.isclose(var[1], 8.3125) and not np.isclose(var[2], 3.6875)
+    xhat = lnlib.layer_norm(x, eps=1e-5)
+    seed_xhat = [[-0.6547, 0.2182, -1.0911, 1.5275], [-1.2568, -0.4834, 0.2900, 1.4501],
+                 [-0.7863, -1.1358, 0.6116, 1.3106]]
+    seed_y = [[-0.4820, 0.8273, -1.1366, 2.7913], [-1.3851, -0.2250, 0.9350, 2.6751],
+              [-0.6795, -1.2037, 1.4174, 2.4658]]
+    np.testing.assert_allclose(xhat, seed_xhat, atol=1e-4)
+    np.testing.assert_allclose(y, seed_y, atol=1.5e-4)
+
+
+def test_large_mean_small_spread_float32(rng):
+    """1000 + N(0, 1) in float32: two-pass statistics keep the accuracy the input allows."""
+    x = (1000 + rng.standard_normal((64, 4096))).astype(np.float32)
+    y, mean, rstd = lnlib.layer_norm_forward(x)
+    want, wmean, wrstd = reference.layer_norm_forward(x.astype(np.float64))
+    # The float32 input is exact; the float32 mean carries about 1000 * 2**-24 * a few of
+    # error, so xhat can be off by a few 1e-4 at most; one-pass E[x^2]-E[x]^2 is off by far more.
+    assert np.max(np.abs(y - want)) < 5e-4
+    np.testing.assert_allclose(rstd, wrstd, rtol=1e-4)
+    onepass_var = (x * x).mean(axis=1) - x.mean(axis=1) ** 2
+    assert np.max(np.abs(onepass_var * wrstd**2 - 1)) > 1e-2  # the failure the two-pass avoids
+
+
+def test_float16_values_in_the_hundreds_do_not_overflow(rng):
+    x = (300 + 80 * rng.standard_normal((16, 512))).astype(np.float16)
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float16(x.max()) * np.float16(x.max()))  # squares overflow in float16
+    w = np.full(512, 2.0, np.float16)
+    y, mean, rstd = lnlib.layer_norm_forward(x, w)
+    dx, dw, db = lnlib.layer_norm_backward(x, x, mean, rstd, w)
+    for a in (y, mean, rstd, dx, dw, db):
+        assert np.all(np.isfinite(a))
+    want = reference.layer_norm_forward(x.astype(np.float64), w.astype(np.float64))[0]
+    assert_close(y, want, np.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_constant_row_gives_bias_with_finite_gradients(rng, dtype):
+    x = rng.standard_normal((4, 32)).astype(dtype)
+    x[2] = 7.25
+    w = rng.standard_normal(32).astype(dtype)
+    b = rng.standard_normal(32).astype(dtype)
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, b)
+    np.testing.assert_array_equal(y[2], b)
+    grads = lnlib.layer_norm_backward(rng.standard_normal(x.shape).astype(dtype), x, mean, rstd, w)
+    for g in grads:
+        assert np.all(np.isfinite(g))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_value_stays_in_its_row(rng, bad):
+    x = rng.standard_normal((300, 257)).astype(np.float32)  # big enough to use several threads
+    clean = lnlib.layer_norm_forward(x)
+    x_bad = x.copy()
+    x_bad[123, 45] = bad
+    y, mean, rstd = lnlib.layer_norm_forward(x_bad)
+    assert not np.all(np.isfinite(y[123]))
+    others = np.arange(300) != 123
+    for got, want in zip((y, mean, rstd), clean):
+        np.testing.assert_array_equal(got[others], want[others])
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dx = lnlib.layer_norm_backward(dy, x_bad, mean, rstd)[0]
+    np.testing.assert_array_equal(dx[others], lnlib.layer_norm_backward(dy, x, *clean[1:])[0][others])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inputs_are_not_modified(rng, dtype):
+    x, w, b, dy = _data(rng, (40, 3000), 1, dtype)
+    copies = [a.copy() for a in (x, w, b, dy)]
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, b)
+    stats = (mean.copy(), rstd.copy())
+    lnlib.layer_norm_backward(dy, x, mean, rstd, w)
+    for a, c in zip((x, w, b, dy), copies):
+        np.testing.assert_array_equal(a, c)
+    np.testing.assert_array_equal(mean, stats[0])
+    np.testing.assert_array_equal(rstd, stats[1])
+
+
+@pytest.mark.parametrize("view", [
+    lambda a: a[:, ::-1], lambda a: a[::-1], lambda a: a[::2, 1::3], lambda a: a.T.copy().T,
+    lambda a: np.asfortranarray(a), lambda a: a[:, :50],
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_strided_inputs_give_the_contiguous_result_bitwise(rng, view, dtype):
+    base = rng.standard_normal((400, 120)).astype(dtype)
+    x = view(base)
+    xc = np.ascontiguousarray(x)
+    w = rng.standard_normal(x.shape[1]).astype(dtype)
+    dy = view(rng.standard_normal(base.shape).astype(dtype))
+    got, want = lnlib.layer_norm_forward(x, w), lnlib.layer_norm_forward(xc, w)
+    for g, v in zip(got, want):
+        np.testing.assert_array_equal(g, v)
+    for g, v in zip(lnlib.layer_norm_backward(dy, x, *got[1:], w),
+                    lnlib.layer_norm_backward(np.ascontiguousarray(dy), xc, *want[1:], w)):
+        np.testing.assert_array_equal(g, v)
+
+
+def test_3d_strided_input_with_two_normalized_axes(rng):
+    base = rng.standard_normal((6, 10, 12))
+    x = base[:, ::-2, 1::2]
+    got = lnlib.layer_norm_forward(x, normalized_ndim=2)
+    want = reference.layer_norm_forward(np.ascontiguousarray(x), normalized_ndim=2)
+    for g, v in zip(got, want):
+        np.testing.assert_allclose(g, v, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariance_is_bitwise(rng, dtype):
+    """A row's result does not depend on the other rows or on its position in the batch."""
+    x = rng.standard_normal((517, 300)).astype(dtype)
+    w, b = rng.standard_normal(300).astype(dtype), rng.standard_normal(300).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, b)
+    dx = lnlib.layer_norm_backward(dy, x, mean, rstd, w)[0]
+    perm = rng.permutation(517)
+    yp, meanp, rstdp = lnlib.layer_norm_forward(x[perm], w, b)
+    np.testing.assert_array_equal(yp, y[perm])
+    np.testing.assert_array_equal(lnlib.layer_norm_backward(dy[perm], x[perm], meanp, rstdp, w)[0], dx[perm])
+    for i in (0, 1, 255, 516):
+        y1, m1, r1 = lnlib.layer_norm_forward(x[i:i + 1], w, b)
+        np.testing.assert_array_equal(y1[0], y[i])
+        np.testing.assert_array_equal(lnlib.layer_norm_backward(dy[i:i + 1], x[i:i + 1], m1, r1, w)[0][0], dx[i])
+    sub = lnlib.layer_norm_forward(x[100:117], w, b)[0]
+    np.testing.assert_array_equal(sub, y[100:117])
+
+
+def test_deterministic_across_calls(rng):
+    x = rng.standard_normal((2000, 256)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    runs = []
+    for _ in range(3):
+        y, mean, rstd = lnlib.layer_norm_forward(x)
+        runs.append((y, *lnlib.layer_norm_backward(dy, x, mean, rstd)))
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_empty_batch_is_fine():
+    y, mean, rstd = lnlib.layer_norm_forward(np.zeros((0, 5)))
+    assert y.shape == (0, 5) and mean.shape == (0,)
+    dx, dw, db = lnlib.layer_norm_backward(np.zeros((0, 5)), np.zeros((0, 5)), mean, rstd)
+    assert dx.shape == (0, 5)
+    np.testing.assert_array_equal(dw, np.zeros(5))
+
+
+def test_layer_norm_is_forward_output(rng):
+    x, w, b, _ = _data(rng, (3, 4, 5), 2, np.float32)
+    np.testing.assert_array_equal(lnlib.layer_norm(x, w, b, normalized_ndim=2),
+                                  lnlib.layer_norm_forward(x, w, b, normalized_ndim=2)[0])
+
+
+def test_thread_and_block_settings_do_not_change_forward_bits(rng):
+    from lnlib.layer_norm import _forward_numpy
+
+    x = rng.standard_normal((1000, 384)).astype(np.float32)
+    base = _forward_numpy(x, None, None, 1e-5, block_rows=1, threads=1)
+    for rows, threads in ((7, 2), (64, 2), (1000, 1), (3, 5)):
+        for a, b in zip(_forward_numpy(x, None, None, 1e-5, block_rows=rows, threads=threads), base):
+            np.testing.assert_array_equal(a, b)
