@@ -315,7 +315,7 @@ def main(argv=None):
     repeats = args.repeats or (3 if args.quick else 21)
     if repeats < 1:
         p.error("--repeats: expected a positive number")
-    copy_bytes = (1 << 24) if args.quick else (1 << 28)
+    copy_bytes = (1 << 26) if args.quick else (1 << 28)
     result = run(shapes, dtypes, repeats, steps=args.steps, copy_bytes=copy_bytes)
     result["command"] = "python -m lnlib.bench " + " ".join(
         sys.argv[1:] if argv is None else argv)

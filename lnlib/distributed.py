@@ -9,7 +9,7 @@ the pieces themselves.
 Forward. Each rank computes, per row, the count ``n_r`` of its columns, the
 mean ``m_r`` of its piece and the sum of squared deviations from that mean,
 ``M2_r`` (two passes over its piece). The summaries are combined exactly with
-the parallel merge of Chan, Golub and LeVeque (1979),
+the parallel merge of Chan, Golub and LeVeque (1983),
 
 .. math::
 
@@ -126,8 +126,9 @@ def merge_moments(counts, means, m2s):
 
     Notes
     -----
-    Chan, Golub and LeVeque (1979), *Updating formulae and a pairwise algorithm
-    for computing sample variances*. Book, Chapter 5, "Parallel Welford".
+    T. F. Chan, G. H. Golub and R. J. LeVeque, "Algorithms for computing the sample
+    variance: analysis and recommendations", The American Statistician 37(3), 1983.
+    Book, Chapter 5, "Numerics in implementations".
     """
     counts = [int(c) for c in counts]
     if not counts:

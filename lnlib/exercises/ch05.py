@@ -1,0 +1,189 @@
+r"""Checkers for the exercises of the chapter "Implementation".
+
+Each checker runs the reader's function on ordinary and edge-case inputs against a reference
+from lnlib, prints one line that says PASS or what is wrong, and returns a
+:class:`~lnlib.exercises.CheckResult`.
+
+==================================  ===================================================
+checker                             the reader writes
+==================================  ===================================================
+:func:`check_merge`                 ``fn(n_a, mean_a, m2_a, n_b, mean_b, m2_b) -> (n, mean, m2)``
+:func:`check_welford`               ``fn(x) -> (mean, var)``, one pass over the last axis
+:func:`check_backward_from_output`  ``fn(dy, y, rstd, weight, bias) -> dx``
+:func:`check_min_time`              ``fn(M, H, itemsize, bandwidth_GBps, backward=False) -> s``
+:func:`check_sharded_rms_rstd`      ``fn(shards, eps) -> rstd`` of RMSNorm over sharded rows
+==================================  ===================================================
+
+The book derives each of them in Chapter 5.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import reference
+from ..distributed import merge_moments
+from ..recompute import layer_norm_backward_from_output
+from ._core import Case, CheckResult, check
+
+__all__ = [
+    "check_merge",
+    "check_welford",
+    "check_backward_from_output",
+    "check_min_time",
+    "check_sharded_rms_rstd",
+]
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng(5)
+
+
+def _moments(x):
+    """(count, mean, m2) over the last axis, in float64."""
+    mean = x.mean(axis=-1)
+    return x.shape[-1], mean, ((x - mean[..., None]) ** 2).sum(axis=-1)
+
+
+# ------------------------------------------------------------- exercise: Chan's merge
+
+def _ref_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    n, mean, m2 = merge_moments([n_a, n_b], [mean_a, mean_b], [m2_a, m2_b])
+    return n, mean, m2
+
+
+def check_merge(fn: Callable[..., Any]) -> CheckResult:
+    """Check ``fn(n_a, mean_a, m2_a, n_b, mean_b, m2_b) -> (n, mean, m2)``.
+
+    The inputs are the count, mean and sum of squared deviations of two pieces of the same
+    rows; the result must describe the union. Means and M2 are float64 arrays of shape (N,)
+    (or scalars); counts are ints.
+    """
+    rng = _rng()
+    cases = []
+    for desc, x, split in [
+        ("two halves of 4 random rows", rng.normal(size=(4, 16)), 8),
+        ("unequal pieces, 1 and 9 columns", rng.normal(size=(3, 10)), 1),
+        ("a large mean and a small spread: 1e6 + N(0, 1)", 1e6 + rng.normal(size=(2, 64)), 20),
+        ("pieces with very different means", np.concatenate(
+            [rng.normal(-50.0, 1.0, size=(2, 5)), rng.normal(50.0, 1.0, size=(2, 7))], 1), 5),
+        ("constant rows (M2 = 0 everywhere)", np.full((2, 6), 3.5), 3),
+    ]:
+        na, ma, m2a = _moments(x[:, :split])
+        nb, mb, m2b = _moments(x[:, split:])
+        cases.append(Case(desc, (na, ma, m2a, nb, mb, m2b), rtol=1e-9, atol=1e-9))
+    m_a, m_b = np.float64(2.0), np.float64(4.0)
+    cases.append(Case("scalars: (1, 2.0, 0.0) and (1, 4.0, 0.0)",
+                      (1, m_a, np.float64(0.0), 1, m_b, np.float64(0.0))))
+    return check(fn, _ref_merge, cases, name=getattr(fn, "__name__", "merge"),
+                 check_dtype=False)
+
+
+# ---------------------------------------------------------- exercise: one-pass Welford
+
+def _ref_welford(x):
+    x = np.asarray(x, dtype=np.float64)
+    return x.mean(axis=-1), x.var(axis=-1)
+
+
+def check_welford(fn: Callable[..., Any]) -> CheckResult:
+    """Check ``fn(x) -> (mean, var)``: mean and biased variance over the last axis of a
+    float64 array, computed in one pass (Welford's update), as float64 arrays of shape
+    ``x.shape[:-1]``. The cases include a mean of 1e8 with a spread of 1, where
+    ``E[x^2] - E[x]^2`` loses every digit.
+    """
+    rng = _rng()
+    cases = [
+        Case("4 random rows of 32", rng.normal(size=(4, 32))),
+        Case("a single column (variance 0)", rng.normal(size=(3, 1))),
+        Case("a mean of 1e8 and a spread of 1", 1e8 + rng.normal(size=(2, 200)),
+             rtol=1e-6, atol=1e-6),
+        Case("three dimensions (2, 3, 7)", rng.normal(size=(2, 3, 7))),
+        Case("constant rows", np.full((2, 9), -4.25)),
+    ]
+    return check(fn, _ref_welford, cases, name=getattr(fn, "__name__", "welford"),
+                 rtol=1e-10, atol=1e-12, check_dtype=False)
+
+
+# ------------------------------------------------- exercise: backward from the output
+
+def _ref_backward_from_output(dy, y, rstd, weight, bias):
+    return layer_norm_backward_from_output(dy, y, rstd, weight, bias)[0]
+
+
+def check_backward_from_output(fn: Callable[..., Any]) -> CheckResult:
+    """Check ``fn(dy, y, rstd, weight, bias) -> dx``: the LayerNorm input gradient computed
+    from the forward's *output* ``y`` (and ``rstd``), without ``x`` or ``mean``. Arrays are
+    float64, shapes (N, H) for ``dy`` and ``y``, (N,) for ``rstd``, (H,) for the parameters;
+    ``weight`` has no zero entry.
+    """
+    rng = _rng()
+    cases = []
+    for desc, shape, shift in [("a (4, 8) batch", (4, 8), 0.0),
+                               ("a (3, 64) batch with a large mean", (3, 64), 100.0),
+                               ("one feature, H = 1", (3, 1), 0.0)]:
+        x = rng.normal(shift, 2.0, size=shape)
+        weight = rng.choice([-1.0, 1.0], size=shape[1]) * rng.uniform(0.5, 2.0, size=shape[1])
+        bias = rng.normal(size=shape[1])
+        y, _, rstd = reference.layer_norm_forward(x, weight, bias)
+        cases.append(Case(desc, (rng.normal(size=shape), y, rstd, weight, bias)))
+    x = rng.normal(size=(2, 5))
+    y, _, rstd = reference.layer_norm_forward(x, np.ones(5), np.zeros(5))
+    cases.append(Case("weight of ones and bias of zeros", (rng.normal(size=(2, 5)), y, rstd,
+                                                           np.ones(5), np.zeros(5))))
+    return check(fn, _ref_backward_from_output, cases,
+                 name=getattr(fn, "__name__", "backward_from_output"), rtol=1e-9, atol=1e-10)
+
+
+# -------------------------------------------------------- exercise: the roofline bound
+
+def _ref_min_time(M, H, itemsize, bandwidth_GBps, backward=False):
+    elements = (5 if backward else 2) * M * H
+    return elements * itemsize / (bandwidth_GBps * 1e9)
+
+
+def check_min_time(fn: Callable[..., Any]) -> CheckResult:
+    """Check ``fn(M, H, itemsize, bandwidth_GBps, backward=False) -> seconds``: the least
+    time a LayerNorm over an (M, H) array can take when it only has to move its data at the
+    given bandwidth (1 GB = 1e9 bytes). Count the arrays of M x H elements only: the forward
+    reads ``x`` and writes ``y``; with ``backward=True``, the forward and then the backward,
+    which reads ``dy`` and ``x`` and writes ``dx``.
+    """
+    cases = [
+        Case("forward, (4096, 4096) float32 at 20 GB/s", (4096, 4096, 4, 20.0)),
+        Case("forward, (32768, 768) float16 at 100 GB/s", (32768, 768, 2, 100.0)),
+        Case("forward and backward, (4096, 4096) float32 at 20 GB/s",
+             (4096, 4096, 4, 20.0), {"backward": True}),
+        Case("forward and backward, (1, 1) float64 at 1 GB/s", (1, 1, 8, 1.0),
+             {"backward": True}),
+    ]
+    return check(fn, _ref_min_time, cases, name=getattr(fn, "__name__", "min_time"),
+                 rtol=1e-9, atol=0.0, check_dtype=False)
+
+
+# -------------------------------------------------- exercise: RMSNorm over shards
+
+def _ref_sharded_rms_rstd(shards, eps):
+    x = np.concatenate(shards, axis=-1)
+    return reference.rms_norm_forward(x, eps=eps)[1]
+
+
+def check_sharded_rms_rstd(fn: Callable[..., Any]) -> CheckResult:
+    """Check ``fn(shards, eps) -> rstd``: the RMSNorm ``rstd`` (shape (N,)) of rows split by
+    columns into the float64 arrays ``shards`` (each (N, h_r)), combining one number per row
+    per shard, as the ranks of a sharded RMSNorm would.
+    """
+    rng = _rng()
+    x = rng.normal(size=(4, 12))
+    cases = [
+        Case("two equal shards", ([x[:, :6], x[:, 6:]], 1e-6)),
+        Case("four unequal shards", (np.array_split(x, [1, 4, 9], axis=1), 1e-6)),
+        Case("one shard", ([x], 1e-6)),
+        Case("eps = 0.5", ([x[:, :5], x[:, 5:]], 0.5)),
+        Case("a zero row", ([np.zeros((2, 3)), np.zeros((2, 4))], 1e-6)),
+    ]
+    return check(fn, _ref_sharded_rms_rstd, cases,
+                 name=getattr(fn, "__name__", "sharded_rms_rstd"), rtol=1e-10, atol=0.0,
+                 check_dtype=False)
