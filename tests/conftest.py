@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "lnlib", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
+    "lnlib", deadline=None, max_examples=60, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "lnlib"))
 

@@ -1,0 +1,108 @@
+"""Layer classes: parameters, gradients and state, checked against the functions and torch."""
+
+import numpy as np
+import pytest
+import torch
+
+import lnlib
+from conftest import torch_tensor
+
+
+def test_layer_norm_layer_matches_torch_module(rng):
+    x = rng.standard_normal((4, 3, 6))
+    layer = lnlib.LayerNorm((3, 6), dtype=np.float64)
+    layer.weight[...] = rng.standard_normal((3, 6))
+    layer.bias[...] = rng.standard_normal((3, 6))
+    ref = torch.nn.LayerNorm((3, 6), dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(layer.weight))
+        ref.bias.copy_(torch.from_numpy(layer.bias))
+    tx = torch_tensor(x, True)
+    ty = ref(tx)
+    dy = rng.standard_normal(x.shape)
+    ty.backward(torch_tensor(dy))
+    np.testing.assert_allclose(layer(x), ty.detach().numpy(), atol=1e-12)
+    np.testing.assert_allclose(layer.backward(dy), tx.grad.numpy(), atol=1e-12)
+    np.testing.assert_allclose(layer.dweight, ref.weight.grad.numpy(), atol=1e-12)
+    np.testing.assert_allclose(layer.dbias, ref.bias.grad.numpy(), atol=1e-12)
+
+
+def test_layers_without_parameters_report_no_parameter_gradients(rng):
+    x = rng.standard_normal((2, 5)).astype(np.float32)
+    ln = lnlib.LayerNorm(5, elementwise_affine=False)
+    ln(x)
+    ln.backward(np.ones_like(x))
+    assert ln.weight is None and ln.dweight is None and ln.dbias is None
+    ln2 = lnlib.LayerNorm(5, bias=False)
+    ln2(x)
+    ln2.backward(np.ones_like(x))
+    assert ln2.bias is None and ln2.dbias is None and ln2.dweight.shape == (5,)
+
+
+def test_rms_norm_layer(rng):
+    x = rng.standard_normal((3, 8))
+    layer = lnlib.RMSNorm(8, dtype=np.float64)
+    layer.weight[...] = rng.standard_normal(8)
+    dy = rng.standard_normal(x.shape)
+    y = layer(x)
+    dx = layer.backward(dy)
+    y2, rstd = lnlib.rms_norm_forward(x, layer.weight)
+    np.testing.assert_array_equal(y, y2)
+    np.testing.assert_array_equal(dx, lnlib.rms_norm_backward(dy, x, rstd, layer.weight)[0])
+    lnlib.check_grad(lambda w: lnlib.rms_norm(x, w), layer.weight, dy, layer.dweight)
+
+
+def test_backward_before_forward_is_an_error():
+    with pytest.raises(RuntimeError, match="backward called before forward"):
+        lnlib.LayerNorm(3).backward(np.ones((1, 3)))
+
+
+def test_batch_norm_layer_train_and_eval(rng):
+    x = rng.standard_normal((16, 3, 4)) * 2 + 5
+    layer = lnlib.BatchNorm(3, dtype=np.float64, momentum=0.5)
+    y = layer(x)
+    np.testing.assert_allclose(y.mean(axis=(0, 2)), 0, atol=1e-12)
+    assert np.all(layer.running_mean > 2)
+    dy = rng.standard_normal(x.shape)
+    dx = layer.backward(dy)
+    lnlib.check_grad(lambda v: lnlib.batch_norm(v, None, None, layer.weight, layer.bias, training=True), x, dy, dx)
+    layer.eval()
+    y_eval = layer(x)
+    assert not np.allclose(y_eval, y)
+    dx_eval = layer.backward(dy)
+    rm, rv = layer.running_mean.copy(), layer.running_var.copy()
+    lnlib.check_grad(lambda v: lnlib.batch_norm(v, rm, rv, layer.weight, layer.bias, training=False), x, dy, dx_eval)
+
+
+@pytest.mark.parametrize("xshape", [(4, 6), (4, 5, 6)])
+def test_adaln_layer_gradients(rng, xshape):
+    layer = lnlib.AdaLN(6, 3, zero_init=False, rng=rng, dtype=np.float64)
+    x = rng.standard_normal(xshape)
+    c = rng.standard_normal((4, 3))
+    y, gate = layer(x, c)
+    assert y.shape == x.shape and gate.shape == (4,) + (1,) * (len(xshape) - 2) + (6,)
+    dy = rng.standard_normal(xshape)
+    dgate = rng.standard_normal(gate.shape)
+    dx, dc = layer.backward(dy, dgate)
+
+    def loss_of(x_, c_, weight):
+        saved = layer.weight
+        layer.weight = weight
+        try:
+            y_, g_ = lnlib.AdaLN.forward(layer, x_, c_)
+        finally:
+            layer.weight = saved
+        return np.sum(dy * y_) + np.sum(dgate * g_)
+
+    one = np.ones(1)
+    lnlib.check_grad(lambda v: one * loss_of(v, c, layer.weight), x, one, dx)
+    lnlib.check_grad(lambda v: one * loss_of(x, v, layer.weight), c, one, dc)
+    lnlib.check_grad(lambda v: one * loss_of(x, c, v), layer.weight, one, layer.dweight)
+
+
+def test_adaln_zero_layer_starts_with_zero_gate_and_plain_norm(rng):
+    layer = lnlib.AdaLN(6, 3)
+    x = rng.standard_normal((2, 6)).astype(np.float32)
+    y, gate = layer(x, rng.standard_normal((2, 3)).astype(np.float32))
+    assert not gate.any()
+    np.testing.assert_allclose(y, lnlib.layer_norm(x, eps=1e-6), atol=1e-6)

@@ -1,0 +1,143 @@
+"""Bad input: every public function raises a clear error naming the argument, before any work."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import lnlib
+
+X = np.ones((2, 3, 4))
+STATS = (np.zeros((2, 3)), np.ones((2, 3)))
+
+FORWARDS = {
+    "layer_norm_forward": lambda x, **kw: lnlib.layer_norm_forward(x, **kw),
+    "layer_norm": lambda x, **kw: lnlib.layer_norm(x, **kw),
+    "rms_norm_forward": lambda x, **kw: lnlib.rms_norm_forward(x, **kw),
+    "rms_norm": lambda x, **kw: lnlib.rms_norm(x, **kw),
+    "ada_layer_norm_forward": lambda x, **kw: lnlib.ada_layer_norm_forward(x, np.zeros(x.shape[-1:] or 1), np.zeros(x.shape[-1:] or 1), **kw),
+}
+
+
+@pytest.mark.parametrize("fn", FORWARDS.values(), ids=FORWARDS.keys())
+@pytest.mark.parametrize("x", [np.ones((2, 3), int), np.ones((2, 3), bool), np.ones((2, 3), complex),
+                               np.array([[1.0, "a"]], dtype=object), np.ones((2, 3), np.uint8)],
+                         ids=["int", "bool", "complex", "object", "uint8"])
+def test_non_floating_x_is_a_type_error(fn, x):
+    with pytest.raises(TypeError, match="x must have a floating dtype"):
+        fn(x)
+
+
+@pytest.mark.parametrize("fn", FORWARDS.values(), ids=FORWARDS.keys())
+@pytest.mark.parametrize("eps", [-1e-5, float("nan"), float("inf")])
+def test_bad_eps(fn, eps):
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        fn(X, eps=eps)
+
+
+@pytest.mark.parametrize("fn", FORWARDS.values(), ids=FORWARDS.keys())
+@pytest.mark.parametrize("k", [0, 4, -1])
+def test_bad_normalized_ndim(fn, k):
+    with pytest.raises(ValueError, match="normalized_ndim must be between 1 and x.ndim = 3"):
+        fn(X, normalized_ndim=k)
+
+
+@pytest.mark.parametrize("fn", FORWARDS.values(), ids=FORWARDS.keys())
+def test_normalized_ndim_must_be_an_int(fn):
+    with pytest.raises(TypeError, match="normalized_ndim must be an int"):
+        fn(X, normalized_ndim=1.0)
+
+
+@pytest.mark.parametrize("fn", [lnlib.layer_norm_forward, lnlib.rms_norm_forward], ids=["ln", "rms"])
+def test_empty_normalized_axis(fn):
+    with pytest.raises(ValueError, match="empty normalized axis"):
+        fn(np.ones((3, 0)))
+    with pytest.raises(ValueError, match="empty normalized axis"):
+        fn(np.ones((3, 0, 2)), normalized_ndim=2)
+    with pytest.raises(ValueError, match="0-d"):
+        fn(np.float64(1.0))
+
+
+def test_wrong_parameter_shapes():
+    with pytest.raises(ValueError, match=r"weight must have shape \(4,\)"):
+        lnlib.layer_norm(X, np.ones(3))
+    with pytest.raises(ValueError, match=r"bias must have shape \(3, 4\)"):
+        lnlib.layer_norm(X, np.ones((3, 4)), np.ones(4), normalized_ndim=2)
+    with pytest.raises(ValueError, match=r"weight must have shape \(4,\)"):
+        lnlib.rms_norm(X, np.ones((1, 4)))
+    with pytest.raises(ValueError, match="shift must broadcast against x"):
+        lnlib.ada_layer_norm(X, np.zeros((2, 4)), np.zeros(4))
+    with pytest.raises(ValueError, match="scale must broadcast against x"):
+        lnlib.ada_layer_norm(X, np.zeros(4), np.zeros((5, 3, 4)))
+    with pytest.raises(TypeError, match="weight must have a floating dtype"):
+        lnlib.layer_norm(X, np.ones(4, int))
+
+
+def test_backward_shape_errors():
+    dy = np.ones_like(X)
+    with pytest.raises(ValueError, match=r"dy must have the shape of x, \(2, 3, 4\)"):
+        lnlib.layer_norm_backward(dy[:1], X, *STATS)
+    with pytest.raises(ValueError, match="mean must have the shape of the leading"):
+        lnlib.layer_norm_backward(dy, X, np.zeros((3, 2)), np.zeros((3, 2)))
+    with pytest.raises(ValueError, match="rstd must have the shape of mean"):
+        lnlib.layer_norm_backward(dy, X, STATS[0], np.ones(2))
+    with pytest.raises(ValueError, match="mean must have the shape of the leading"):
+        lnlib.layer_norm_backward(dy, X, np.zeros((2, 3, 4)), np.zeros((2, 3, 4)))
+    with pytest.raises(ValueError, match=r"weight must have shape \(4,\)"):
+        lnlib.layer_norm_backward(dy, X, *STATS, np.ones(5))
+    with pytest.raises(ValueError, match="rstd must have the shape of the leading"):
+        lnlib.rms_norm_backward(dy, X, np.ones(3))
+    with pytest.raises(ValueError, match="dy must have the shape of x"):
+        lnlib.rms_norm_backward(dy.T, X, STATS[1])
+    with pytest.raises(ValueError, match="scale must broadcast"):
+        lnlib.ada_layer_norm_backward(dy, X, *STATS, np.ones(5))
+    with pytest.raises(TypeError, match="dy must have a floating dtype"):
+        lnlib.layer_norm_backward(dy.astype(int), X, *STATS)
+    with pytest.raises(TypeError, match="mean must have a floating dtype"):
+        lnlib.layer_norm_backward(dy, X, STATS[0].astype(int), STATS[1])
+
+
+def test_errors_come_before_any_work_and_leave_inputs_alone():
+    rm, rv = np.zeros(3), np.ones(3)
+    with pytest.raises(ValueError):
+        lnlib.batch_norm(np.ones((4, 3)), rm, rv, np.ones(2), training=True)
+    np.testing.assert_array_equal(rm, 0)  # running statistics untouched by the failed call
+    np.testing.assert_array_equal(rv, 1)
+
+
+def test_mixed_array_libraries_are_a_type_error():
+    class FakeCupy:  # stands in for the cupy module, so this runs without a GPU
+        class ndarray:
+            pass
+
+    sys.modules["cupy"] = FakeCupy
+    try:
+        with pytest.raises(TypeError, match="different array libraries: weight is a CuPy array but x is not"):
+            lnlib.layer_norm(X, FakeCupy.ndarray())
+        with pytest.raises(TypeError, match="different array libraries"):
+            lnlib.rms_norm_backward(np.ones((2, 3)), FakeCupy.ndarray(), np.ones(2))
+    finally:
+        del sys.modules["cupy"]
+
+
+def test_eps_must_be_a_number():
+    with pytest.raises(TypeError, match="eps must be a real number"):
+        lnlib.layer_norm(X, eps="1e-5")
+
+
+def test_lists_are_accepted_as_arrays():
+    y = lnlib.layer_norm([[1.0, 2.0, 3.0]])
+    np.testing.assert_allclose(y, lnlib.layer_norm(np.array([[1.0, 2.0, 3.0]])))
+
+
+def test_import_needs_numpy_only_and_is_fast():
+    code = (
+        "import sys, time; t = time.perf_counter(); import lnlib; dt = time.perf_counter() - t; "
+        "bad = [m for m in ('torch', 'cupy', 'matplotlib', 'scipy') if m in sys.modules]; "
+        "print(dt, bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    dt, bad = out.split(" ", 1)
+    assert bad.strip() == "[]", f"import lnlib pulled in {bad}"
+    assert float(dt) < 1.0, f"import lnlib took {float(dt):.2f} s"
