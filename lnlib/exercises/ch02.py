@@ -7,15 +7,17 @@ line that says PASS or what is wrong, and returns a :class:`~lnlib.exercises.Che
 ================================  =====================================================
 checker                           the reader writes
 ================================  =====================================================
-:func:`check_forward`             ``fn(x, gamma, beta, eps=1e-5) -> y``
+:func:`check_forward`             ``fn(x, weight, bias, eps=1e-5) -> y``
 :func:`check_jacobian`            ``fn(x, eps=1e-5) -> J`` with ``J[i, j] = d xhat_i / d x_j``
-:func:`check_dgamma`              ``fn(dy, x, eps=1e-5) -> (dgamma, dbeta)``
-:func:`check_backward`            ``fn(dy, x, gamma, eps=1e-5) -> dx``
+:func:`check_dgamma`              ``fn(dy, x, eps=1e-5) -> (dweight, dbias)``
+:func:`check_backward`            ``fn(dy, x, weight, eps=1e-5) -> dx``
 :func:`check_naive_failure`       a float32 row on which the one-pass variance fails
 ================================  =====================================================
 
-All of them normalize over the last axis of ``x`` (``normalized_ndim=1``); the book derives
-the formulas in the section on the backward pass.
+All of them normalize over the last axis of ``x`` (``normalized_ndim=1``), of length D;
+``weight`` and ``bias`` are the book's :math:`\gamma` and :math:`\beta`, of shape (D,). The
+chapter derives the formulas (the backward pass section) and its notebook
+``notebooks/02_math.ipynb`` holds the exercises.
 """
 
 from __future__ import annotations
@@ -51,29 +53,29 @@ def _rng() -> np.random.Generator:
 
 # ---------------------------------------------------------------- exercise: the forward pass
 
-def _ref_forward(x, gamma, beta, eps=1e-5):
-    return reference.layer_norm_forward(x, gamma, beta, eps=eps)[0]
+def _ref_forward(x, weight, bias, eps=1e-5):
+    return reference.layer_norm_forward(x, weight, bias, eps=eps)[0]
 
 
 def check_forward(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(x, gamma, beta, eps=1e-5) -> y``, LayerNorm over the last axis of ``x``.
+    """Check ``fn(x, weight, bias, eps=1e-5) -> y``, LayerNorm over the last axis of ``x``.
 
     Cases: the worked example, a random batch, three dimensions, a constant row (whose
-    output is ``beta``), a single feature, a large mean, and a different ``eps``. Arrays are
+    output is ``bias``), a single feature, a large mean, and a different ``eps``. Arrays are
     float64 and the output must be float64 with the shape of ``x``.
     """
     rng = _rng()
-    h = 4
+    d = 4
     cases = [
-        Case("the worked example, gamma = 1.5 and beta = 0.5",
-             (WORKED_EXAMPLE, np.full(h, 1.5), np.full(h, 0.5))),
-        Case("a random (5, 16) batch with random gamma and beta",
+        Case("the worked example, weight = 1.5 and bias = 0.5",
+             (WORKED_EXAMPLE, np.full(d, 1.5), np.full(d, 0.5))),
+        Case("a random (5, 16) batch with random weight and bias",
              (rng.normal(size=(5, 16)), rng.normal(size=16), rng.normal(size=16))),
         Case("three dimensions (2, 3, 8): normalize the last axis only",
              (rng.normal(size=(2, 3, 8)), rng.normal(size=8), rng.normal(size=8))),
-        Case("a constant row (the output should be beta)",
+        Case("a constant row (the output should be the bias)",
              (np.full((2, 6), 7.0), rng.normal(size=6), rng.normal(size=6))),
-        Case("a single feature, H = 1", (rng.normal(size=(3, 1)), np.ones(1), np.zeros(1))),
+        Case("a single feature, D = 1", (rng.normal(size=(3, 1)), np.ones(1), np.zeros(1))),
         Case("a large mean: 1e4 + N(0, 1)",
              (1e4 + rng.normal(size=(3, 32)), np.ones(32), np.zeros(32))),
         Case("eps = 0.5 passed as a keyword",
@@ -86,21 +88,21 @@ def check_forward(fn: Callable[..., Any]) -> CheckResult:
 # ------------------------------------------------------------- exercise: the Jacobian of xhat
 
 def _ref_jacobian(x, eps=1e-5):
-    xhat, _, rstd = reference.layer_norm_forward(x, eps=eps)  # xhat: (H,), rstd: ()
-    h = x.shape[-1]
-    return rstd / h * (h * np.eye(h) - np.ones((h, h)) - np.outer(xhat, xhat))
+    xhat, _, rstd = reference.layer_norm_forward(x, eps=eps)  # xhat: (D,), rstd: ()
+    d = x.shape[-1]
+    return rstd / d * (d * np.eye(d) - np.ones((d, d)) - np.outer(xhat, xhat))
 
 
 def check_jacobian(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(x, eps=1e-5) -> J``, the (H, H) Jacobian of xhat with respect to x.
+    """Check ``fn(x, eps=1e-5) -> J``, the (D, D) Jacobian of xhat with respect to x.
 
-    ``x`` is one vector of shape (H,); ``J[i, j]`` is the derivative of ``xhat[i]`` with
+    ``x`` is one vector of shape (D,); ``J[i, j]`` is the derivative of ``xhat[i]`` with
     respect to ``x[j]``.
     """
     rng = _rng()
     cases = [
         Case("the first vector of the worked example", (WORKED_EXAMPLE[0].copy(),)),
-        Case("a random vector, H = 6", (rng.normal(size=6),)),
+        Case("a random vector, D = 6", (rng.normal(size=6),)),
         Case("a vector with a large mean and spread 10", (50 + 10 * rng.normal(size=5),)),
         Case("eps = 1.0 passed as a keyword", (rng.normal(size=4),), {"eps": 1.0}),
         Case("a constant vector", (np.full(3, 2.0),)),
@@ -118,9 +120,9 @@ def _ref_dgamma(dy, x, eps=1e-5):
 
 
 def check_dgamma(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(dy, x, eps=1e-5) -> (dgamma, dbeta)``, the gradients of the affine parameters.
+    """Check ``fn(dy, x, eps=1e-5) -> (dweight, dbias)``, the gradients of gamma and beta.
 
-    ``dy`` has the shape of ``x``; both results have shape (H,): every leading axis of ``x``
+    ``dy`` has the shape of ``x``; both results have shape (D,): every leading axis of ``x``
     (batch, time, ...) is summed over.
     """
     rng = _rng()
@@ -139,13 +141,13 @@ def check_dgamma(fn: Callable[..., Any]) -> CheckResult:
 
 # ----------------------------------------------------------------- exercise: the backward pass
 
-def _ref_backward(dy, x, gamma, eps=1e-5):
-    _, mean, rstd = reference.layer_norm_forward(x, gamma, eps=eps)
-    return reference.layer_norm_backward(dy, x, mean, rstd, gamma)[0]
+def _ref_backward(dy, x, weight, eps=1e-5):
+    _, mean, rstd = reference.layer_norm_forward(x, weight, eps=eps)
+    return reference.layer_norm_backward(dy, x, mean, rstd, weight)[0]
 
 
 def check_backward(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(dy, x, gamma, eps=1e-5) -> dx``, the gradient of LayerNorm with respect to x.
+    """Check ``fn(dy, x, weight, eps=1e-5) -> dx``, the gradient of LayerNorm with respect to x.
 
     Cases include a constant row (where only eps keeps the gradient finite), a single
     feature (whose gradient is zero), ``dy`` constant along the row (also a zero gradient) and
@@ -153,16 +155,16 @@ def check_backward(fn: Callable[..., Any]) -> CheckResult:
     """
     rng = _rng()
     cases = [
-        Case("the worked example, gamma = 1.5, random dy",
+        Case("the worked example, weight = 1.5, random dy",
              (rng.normal(size=(3, 4)), WORKED_EXAMPLE, np.full(4, 1.5))),
-        Case("a random (4, 16) batch with random gamma",
+        Case("a random (4, 16) batch with a random weight",
              (rng.normal(size=(4, 16)), rng.normal(size=(4, 16)), rng.normal(size=16))),
         Case("three dimensions (2, 3, 8)",
              (rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 3, 8)), rng.normal(size=8))),
         Case("dy = 1 everywhere (the gradient should be zero)",
              (np.ones((2, 6)), rng.normal(size=(2, 6)), np.ones(6)), atol=1e-12),
         Case("a constant row", (rng.normal(size=(1, 5)), np.full((1, 5), 3.0), np.ones(5))),
-        Case("a single feature, H = 1", (rng.normal(size=(3, 1)), rng.normal(size=(3, 1)),
+        Case("a single feature, D = 1", (rng.normal(size=(3, 1)), rng.normal(size=(3, 1)),
                                          np.ones(1))),
         Case("eps = 0.5 passed as a keyword",
              (rng.normal(size=(2, 5)), rng.normal(size=(2, 5)), np.ones(5)), {"eps": 0.5}),
