@@ -157,7 +157,15 @@ def _flat(param, x):
 
 
 def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
-    """Fast forward on a matrix ``x`` (M, N): returns y (M, N), mean (M,), rstd (M,)."""
+    """Fast forward on a matrix ``x`` (M, N): returns y (M, N), mean (M,), rstd (M,).
+
+    Per block of rows, seven passes over cache-resident data: sum, centre, square, sum, scale
+    by rstd, times weight, plus bias. Weight and bias are tiled to the block's shape once per
+    chunk, so those two products are plain contiguous loops. Every row reduction is
+    ``np.add.reduce`` over one contiguous row (pairwise summation, whose order depends only on
+    the row's length); ``np.einsum`` is avoided because its sums depend on the row's
+    alignment in memory for long rows, which would break batch invariance.
+    """
     m, n = x.shape
     acc = accumulation_dtype(x.dtype)
     y = np.empty((m, n), dtype=x.dtype)
@@ -165,8 +173,11 @@ def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
     rstd = np.empty(m, dtype=acc)
 
     def chunk(start, stop, rows):
-        xc = np.empty((min(rows, stop - start), n), dtype=acc)  # centred block
-        tmp = np.empty_like(xc)  # input copy, squares, output in acc dtype
+        rows = max(1, min(rows, stop - start))
+        xc = np.empty((rows, n), dtype=acc)  # centred block
+        tmp = np.empty_like(xc)  # input copy, then output in acc dtype
+        wt = _tile(weight, rows)
+        bt = _tile(bias, rows)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, mu, r = slice(0, j - i), mean[i:j], rstd[i:j]
@@ -182,10 +193,10 @@ def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
             np.divide(1, r, out=r)
             out = y[i:j] if y.dtype == acc else tmp[b]
             np.multiply(xc[b], r[:, None], out=out)
-            if weight is not None:
-                out *= weight
-            if bias is not None:
-                out += bias
+            if wt is not None:
+                np.multiply(out, wt[b], out=out)
+            if bt is not None:
+                np.add(out, bt[b], out=out)
             if y.dtype != acc:
                 np.copyto(y[i:j], out, casting="same_kind")
 
@@ -193,16 +204,26 @@ def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
     return y, mean, rstd
 
 
+def _tile(param, rows):
+    """``param`` (N,) repeated to (rows, N): products with it are then contiguous loops."""
+    return None if param is None else np.tile(param, (rows, 1))
+
+
 def _backward_numpy(dy, x, mean, rstd, weight, *, block_rows=None, threads=None):
-    """Fast backward on matrices (M, N): returns dx (M, N), dweight (N,), dbias (N,) in acc."""
+    """Fast backward on matrices (M, N): returns dx (M, N), dweight (N,), dbias (N,) in acc.
+
+    Per block: recompute xhat, accumulate the column sums for dweight and dbias, then the two
+    row reductions mean(g) and mean(g * xhat) and dx = rstd * (g - mean(g) - xhat * mean(g xhat)).
+    """
     m, n = x.shape
     acc = mean.dtype
     dx = np.empty((m, n), dtype=x.dtype)
 
     def chunk(start, stop, rows):
-        r0 = min(rows, stop - start)
-        xhat, tmp, gbuf, dybuf = (np.empty((r0, n), dtype=acc) for _ in range(4))
-        c1, c2 = np.empty(r0, dtype=acc), np.empty(r0, dtype=acc)
+        rows = max(1, min(rows, stop - start))
+        xhat, tmp, gbuf, dybuf = (np.empty((rows, n), dtype=acc) for _ in range(4))
+        wt = _tile(weight, rows)
+        c1, c2 = np.empty(rows, dtype=acc), np.empty(rows, dtype=acc)
         colsum = np.empty(n, dtype=acc)
         dweight, dbias = np.zeros(n, dtype=acc), np.zeros(n, dtype=acc)
         for i in range(start, stop, rows):
@@ -210,23 +231,22 @@ def _backward_numpy(dy, x, mean, rstd, weight, *, block_rows=None, threads=None)
             b, r = slice(0, j - i), rstd[i:j, None]
             xb = load_block(x[i:j], tmp, acc)
             np.subtract(xb, mean[i:j, None], out=xhat[b])
-            xhat[b] *= r
+            np.multiply(xhat[b], r, out=xhat[b])
             g = dyb = load_block(dy[i:j], dybuf, acc)
             np.multiply(dyb, xhat[b], out=tmp[b])
             dweight += np.add.reduce(tmp[b], axis=0, out=colsum)
             dbias += np.add.reduce(dyb, axis=0, out=colsum)
-            if weight is not None:
-                g = np.multiply(dyb, weight, out=gbuf[b])
-                np.multiply(g, xhat[b], out=tmp[b])
+            if wt is not None:
+                g = np.multiply(dyb, wt[b], out=gbuf[b])
             np.add.reduce(g, axis=1, out=c1[b])
             c1[b] /= n
+            np.multiply(g, xhat[b], out=tmp[b])
             np.add.reduce(tmp[b], axis=1, out=c2[b])
             c2[b] /= n
-            xhat[b] *= c2[b, None]
+            np.multiply(xhat[b], c2[b, None], out=xhat[b])
             np.subtract(g, xhat[b], out=xhat[b])
-            xhat[b] -= c1[b, None]
-            out = dx[i:j]
-            np.multiply(xhat[b], r, out=out, casting="same_kind")
+            np.subtract(xhat[b], c1[b, None], out=xhat[b])
+            np.multiply(xhat[b], r, out=dx[i:j], casting="same_kind")
         return dweight, dbias
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)

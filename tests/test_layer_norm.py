@@ -271,3 +271,24 @@ def test_thread_and_block_settings_do_not_change_forward_bits(rng):
     for rows, threads in ((7, 2), (64, 2), (1000, 1), (3, 5)):
         for a, b in zip(_forward_numpy(x, None, None, 1e-5, block_rows=rows, threads=threads), base):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 3000, 8193, 12000])
+def test_batch_invariance_for_long_and_odd_rows(rng, n):
+    """Rows longer than NumPy's iterator buffer (8192) and of odd length are still summed the
+    same way wherever they sit in the batch."""
+    m = max(4, 200_000 // n)
+    x = rng.standard_normal((m, n)).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, w)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dx = lnlib.layer_norm_backward(dy, x, mean, rstd, w)[0]
+    for i in (0, m // 2 + 1, m - 1):
+        y1, m1, r1 = lnlib.layer_norm_forward(x[i:i + 1], w, w)
+        np.testing.assert_array_equal(y1[0], y[i])
+        np.testing.assert_array_equal(m1[0], mean[i])
+        np.testing.assert_array_equal(lnlib.layer_norm_backward(dy[i:i + 1], x[i:i + 1], m1, r1, w)[0][0], dx[i])
+    shifted = lnlib.layer_norm_forward(x[3:], w, w)[0]
+    np.testing.assert_array_equal(shifted, y[3:])
+    r = lnlib.rms_norm_forward(x, w)[0]
+    np.testing.assert_array_equal(lnlib.rms_norm_forward(x[5:], w)[0], r[5:])
