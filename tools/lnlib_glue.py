@@ -15,6 +15,12 @@ notebook that glued it. This extension adds two things:
         The caption, in Markdown.
         ```
 
+Image files
+    MyST-NB links a figure pasted from another document to ``_images/<sha256>.png`` but
+    writes that file only if the notebook itself shows the figure; a figure glued with
+    ``display=False`` (shown only in the page) would be a broken image. The file is
+    written here.
+
 Dependency tracking
     A page that pastes from a notebook is re-read whenever that notebook changes, so an
     incremental build never shows stale numbers (Sphinx does not know this on its own).
@@ -22,11 +28,17 @@ Dependency tracking
 
 from __future__ import annotations
 
+import hashlib
+from binascii import a2b_base64
+from mimetypes import guess_extension
+from pathlib import Path
+
 from docutils import nodes
 from docutils.parsers.rst import directives
 from sphinx.transforms.post_transforms import SphinxPostTransform
 from sphinx.util.docutils import SphinxDirective
 
+from myst_nb.ext.glue.crossref import read_glue_cache
 from myst_nb.ext.glue.utils import (
     PendingGlueReference,
     PendingGlueReferenceError,
@@ -96,6 +108,31 @@ class ApplyGluedFigureOptions(SphinxPostTransform):
                     image["alt"] = figure["glued_alt"]
 
 
+class WriteGluedImages(SphinxPostTransform):
+    """Write the image files of figures pasted from other documents."""
+
+    default_priority = 4  # before MyST-NB's ReplacePendingGlueReferences (5)
+
+    def run(self, **kwargs) -> None:
+        folder = self.env.mystnb_config.output_folder
+        imgdir = Path(self.app.builder.outdir) / self.app.builder.imagedir
+        for node in self.document.findall(PendingGlueReference):
+            output = read_glue_cache(folder, node.refdoc).get(node.key)
+            if output is None:
+                continue  # MyST-NB warns about the missing key
+            for mime, data in output["data"].items():
+                if mime not in ("image/png", "image/jpeg", "image/gif"):
+                    continue
+                # The same file name as MyST-NB's cross-document glue computes.
+                content = a2b_base64(data)
+                ext = guess_extension(mime) or "." + mime.rsplit("/")[-1]
+                ext = ".jpeg" if ext == ".jpe" else ext
+                path = imgdir / f"{hashlib.sha256(content).hexdigest()}{ext}"
+                if not path.exists():
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(content)
+
+
 def _note_glue_sources(app, doctree) -> None:
     env = app.env
     for node in doctree.findall(PendingGlueReference):
@@ -105,6 +142,7 @@ def _note_glue_sources(app, doctree) -> None:
 
 def setup(app):
     app.add_directive("glued-figure", GluedFigure)
+    app.add_post_transform(WriteGluedImages)
     app.add_post_transform(ApplyGluedFigureOptions)
     app.connect("doctree-read", _note_glue_sources)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,71 @@
+"""Fixtures of the book tests. They check the built site, so `make book` must run first
+(`make test` does: the book build comes before these tests)."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HTML = ROOT / "_build" / "html"
+
+
+@pytest.fixture(scope="session")
+def html_dir() -> Path:
+    if not (HTML / "index.html").exists():
+        pytest.fail("_build/html is missing: run `make book` (or `make test`) first")
+    return HTML
+
+
+@pytest.fixture(scope="session")
+def site_url(html_dir):
+    """Serve the built book on a loopback port for the browser."""
+    handler = functools.partial(_QuietHandler, directory=str(html_dir))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def chromium_binary() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail("Chromium is not installed: `apt-get install chromium` (.ci/run does this)")
+
+
+def run_chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Headless Chromium with every address but 127.0.0.1 unreachable."""
+    with tempfile.TemporaryDirectory() as profile:
+        cmd = [
+            chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu",
+            "--disable-dev-shm-usage", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--disable-quic",
+            "--no-first-run", "--disable-extensions", f"--user-data-dir={profile}",
+            # No network: names other than 127.0.0.1 do not resolve, and whatever
+            # would still go out is sent to a closed local port instead.
+            "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+            "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=127.0.0.1",
+            *args,
+        ]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    return run_chromium
