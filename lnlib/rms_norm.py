@@ -6,7 +6,7 @@ from . import _validate as check
 from . import reference
 from ._backend import accumulation_dtype, get_array_module
 from ._rows import as_rows, load_block, run_chunks
-from .layer_norm import _flat
+from .layer_norm import _flat, _tile
 
 __all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
 
@@ -126,8 +126,10 @@ def _forward_numpy(x, weight, eps, *, block_rows=None, threads=None):
     rstd = np.empty(m, dtype=acc)
 
     def chunk(start, stop, rows):
-        xbuf = np.empty((min(rows, stop - start), n), dtype=acc)
+        rows = max(1, min(rows, stop - start))
+        xbuf = np.empty((rows, n), dtype=acc)
         tmp = np.empty_like(xbuf)
+        wt = _tile(weight, rows)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, r = slice(0, j - i), rstd[i:j]
@@ -140,8 +142,8 @@ def _forward_numpy(x, weight, eps, *, block_rows=None, threads=None):
             np.divide(1, r, out=r)
             out = y[i:j] if y.dtype == acc else tmp[b]
             np.multiply(xb, r[:, None], out=out)
-            if weight is not None:
-                out *= weight
+            if wt is not None:
+                np.multiply(out, wt[b], out=out)
             if y.dtype != acc:
                 np.copyto(y[i:j], out, casting="same_kind")
 
@@ -156,9 +158,10 @@ def _backward_numpy(dy, x, rstd, weight, *, block_rows=None, threads=None):
     dx = np.empty((m, n), dtype=x.dtype)
 
     def chunk(start, stop, rows):
-        r0 = min(rows, stop - start)
-        xhat, tmp, gbuf, dybuf = (np.empty((r0, n), dtype=acc) for _ in range(4))
-        c2 = np.empty(r0, dtype=acc)
+        rows = max(1, min(rows, stop - start))
+        xhat, tmp, gbuf, dybuf = (np.empty((rows, n), dtype=acc) for _ in range(4))
+        wt = _tile(weight, rows)
+        c2 = np.empty(rows, dtype=acc)
         colsum = np.empty(n, dtype=acc)
         dweight = np.zeros(n, dtype=acc)
         for i in range(start, stop, rows):
@@ -169,12 +172,12 @@ def _backward_numpy(dy, x, rstd, weight, *, block_rows=None, threads=None):
             g = dyb = load_block(dy[i:j], dybuf, acc)
             np.multiply(dyb, xhat[b], out=tmp[b])
             dweight += np.add.reduce(tmp[b], axis=0, out=colsum)
-            if weight is not None:
-                g = np.multiply(dyb, weight, out=gbuf[b])
+            if wt is not None:
+                g = np.multiply(dyb, wt[b], out=gbuf[b])
                 np.multiply(g, xhat[b], out=tmp[b])
             np.add.reduce(tmp[b], axis=1, out=c2[b])
             c2[b] /= n
-            xhat[b] *= c2[b, None]
+            np.multiply(xhat[b], c2[b, None], out=xhat[b])
             np.subtract(g, xhat[b], out=xhat[b])
             np.multiply(xhat[b], r, out=dx[i:j], casting="same_kind")
         return dweight
