@@ -28,7 +28,7 @@ ranks hold bit-identical ``mean`` and ``rstd``, independent of how the backend
 orders a reduction, and one communication round suffices (the alternative,
 ``all_reduce`` of the row sum and then of the centred squares, needs two
 rounds, one after the other). The counts are the shard widths, the same for
-every row, so they are gathered once and not per row.
+every row, so they are gathered once per call, not per row.
 
 Bytes per row. Each rank contributes two numbers per row (8 bytes each in
 float64, 4 in float32) however wide the row is; gathering whole rows
