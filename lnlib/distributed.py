@@ -46,16 +46,21 @@ where the bars are means over the *whole* row: each rank sums its piece, the
 partial sums are gathered and added in rank order. ``dweight`` and ``dbias``
 for the local slice need no communication.
 
+:func:`sharded_layer_norm` wraps the two in a ``torch.autograd.Function`` for use in a model.
+
 Derived in the book, Chapter 5, section "LayerNorm across processes".
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 __all__ = [
     "partial_moments",
     "merge_moments",
+    "sharded_layer_norm",
     "sharded_layer_norm_forward",
     "sharded_layer_norm_backward",
     "shard_bounds",
@@ -269,6 +274,41 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
             torch.from_numpy(dbias.astype(dt, copy=False)))
 
 
+def sharded_layer_norm(x, weight=None, bias=None, *, eps=1e-5, group=None):
+    r"""Differentiable sharded LayerNorm: :func:`sharded_layer_norm_forward` in the forward,
+    :func:`sharded_layer_norm_backward` in the backward (a ``torch.autograd.Function``).
+
+    Arguments as in :func:`sharded_layer_norm_forward`; returns this rank's slice of ``y``.
+    Gradients flow to ``x`` and to this rank's slices of ``weight`` and ``bias``.
+    """
+    return _sharded_function().apply(x, weight, bias, float(eps), group)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_function():
+    # Built on first use so that importing this module does not import torch.
+    import torch
+
+    class ShardedLayerNormFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, eps, group):
+            y, mean, rstd = sharded_layer_norm_forward(x, weight, bias, eps=eps, group=group)
+            ctx.save_for_backward(x, weight, mean, rstd)
+            ctx.group, ctx.has_bias = group, bias is not None
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weight, mean, rstd = ctx.saved_tensors
+            dx, dweight, dbias = sharded_layer_norm_backward(
+                dy, x, mean, rstd, weight, group=ctx.group
+            )
+            return (dx, dweight if weight is not None else None,
+                    dbias if ctx.has_bias else None, None, None)
+
+    return ShardedLayerNormFunction
+
+
 # --------------------------------------------------------------------------------------
 # Self-check worker, importable so that torch.multiprocessing can spawn it (tests, CLI).
 
@@ -298,10 +338,17 @@ def _worker(rank, world_size, port, N, H, seed, outdir, timeout_s):
         dx, dweight, dbias = sharded_layer_norm_backward(
             t(dy[:, lo:hi]), t(x[:, lo:hi]), mean, rstd, t(weight[lo:hi])
         )
+        # The same through autograd.
+        xg, wg, bg = (t(a).clone().requires_grad_() for a in
+                      (x[:, lo:hi], weight[lo:hi], bias[lo:hi]))
+        yg = sharded_layer_norm(xg, wg, bg, eps=1e-5)
+        yg.backward(t(dy[:, lo:hi]))
         np.savez(
             os.path.join(outdir, f"rank{rank}.npz"),
             y=y.numpy(), mean=mean.numpy(), rstd=rstd.numpy(),
             dx=dx.numpy(), dweight=dweight.numpy(), dbias=dbias.numpy(),
+            y_autograd=yg.detach().numpy(), dx_autograd=xg.grad.numpy(),
+            dweight_autograd=wg.grad.numpy(), dbias_autograd=bg.grad.numpy(),
         )
     finally:
         dist.destroy_process_group()

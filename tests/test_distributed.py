@@ -89,5 +89,9 @@ def test_sharded_equals_single_process(world_size, H, tmp_path):
         # Every rank merged the same numbers in the same order: identical bits.
         np.testing.assert_array_equal(r["mean"], results[0]["mean"])
         np.testing.assert_array_equal(r["rstd"], results[0]["rstd"])
+    for r in results:
+        # The autograd wrapper runs the same functions: identical bits.
+        for k in ("y", "dx", "dweight", "dbias"):
+            np.testing.assert_array_equal(r[f"{k}_autograd"], r[k])
     np.testing.assert_allclose(results[0]["mean"], mean, rtol=1e-14)
     np.testing.assert_allclose(results[0]["rstd"], rstd, rtol=1e-12)
