@@ -292,3 +292,27 @@ def test_batch_invariance_for_long_and_odd_rows(rng, n):
     np.testing.assert_array_equal(shifted, y[3:])
     r = lnlib.rms_norm_forward(x, w)[0]
     np.testing.assert_array_equal(lnlib.rms_norm_forward(x[5:], w)[0], r[5:])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_results_do_not_depend_on_memory_alignment(rng, dtype):
+    """The same values at different byte offsets (and after unrelated allocations that move
+    the scratch buffers) give the same bits: reductions must not depend on alignment."""
+    m, n = 300, 1030
+    x = rng.standard_normal((m, n)).astype(dtype) * 3 + 2
+    dy = rng.standard_normal((m, n)).astype(dtype)
+    want = lnlib.layer_norm_forward(x)
+    want_dx = lnlib.layer_norm_backward(dy, x, *want[1:])
+    want_rms = lnlib.rms_norm_forward(x)
+    for offset in range(1, 8):
+        junk = [np.empty(k * 3 + offset) for k in range(offset * 5)]  # noqa: F841 - shifts the heap
+        buf = np.empty(m * n + 8, dtype)
+        xo = buf[offset:offset + m * n].reshape(m, n)
+        xo[...] = x
+        got = lnlib.layer_norm_forward(xo)
+        for g, v in zip(got, want):
+            np.testing.assert_array_equal(g, v)
+        for g, v in zip(lnlib.layer_norm_backward(dy, xo, *got[1:]), want_dx):
+            np.testing.assert_array_equal(g, v)
+        for g, v in zip(lnlib.rms_norm_forward(xo), want_rms):
+            np.testing.assert_array_equal(g, v)
