@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 #: Bytes of one scratch block; several of them must fit in a core's L2 cache together.
-BLOCK_BYTES = 1 << 17
+BLOCK_BYTES = 1 << 19
 #: Below this many elements one thread is faster than handing work to the pool.
 PARALLEL_MIN_ELEMENTS = 1 << 16
 
@@ -77,8 +77,14 @@ def as_rows(x, k):
 
 
 def contiguous_rows(a):
-    """True if each row of the 2-d array ``a`` is contiguous in memory."""
-    return a.strides[1] == a.itemsize or a.shape[1] == 1
+    """True if the 2-d array ``a`` has contiguous rows laid out forwards in memory.
+
+    That is the layout BLAS accepts as a matrix with a leading dimension, so matrix-vector
+    products (and with them the summation order) are the same as for a contiguous copy.
+    """
+    rows, cols = a.shape
+    row_ok = a.strides[1] == a.itemsize or cols == 1
+    return row_ok and (rows == 1 or (a.strides[0] >= cols * a.itemsize and a.strides[0] % a.itemsize == 0))
 
 
 def load_block(src, scratch, dtype):

@@ -159,12 +159,15 @@ def _flat(param, x):
 def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
     """Fast forward on a matrix ``x`` (M, N): returns y (M, N), mean (M,), rstd (M,).
 
-    Per block of rows, seven passes over cache-resident data: sum, centre, square, sum, scale
-    by rstd, times weight, plus bias. Weight and bias are tiled to the block's shape once per
-    chunk, so those two products are plain contiguous loops. Every row reduction is
-    ``np.add.reduce`` over one contiguous row (pairwise summation, whose order depends only on
-    the row's length); ``np.einsum`` is avoided because its sums depend on the row's
-    alignment in memory for long rows, which would break batch invariance.
+    Per block of rows, all on cache-resident data: the row sums and, after centring, the sums
+    of squares (each one BLAS dot product per row, through a stacked ``matmul``: vectorised,
+    with many partial sums, so as accurate as pairwise summation here), then ``y = xc * (rstd outer weight) + bias``: the outer product folds
+    the two scalings into one pass, and the bias is tiled once per chunk so that its addition
+    is a plain contiguous loop.
+
+    Batch invariance: each row's sums are computed by the same routine on a contiguous row of
+    the same length, wherever the row sits (``np.einsum`` is avoided: its sums depend on the
+    row's alignment in memory for long rows).
     """
     m, n = x.shape
     acc = accumulation_dtype(x.dtype)
@@ -176,25 +179,28 @@ def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
         rows = max(1, min(rows, stop - start))
         xc = np.empty((rows, n), dtype=acc)  # centred block
         tmp = np.empty_like(xc)  # input copy, then output in acc dtype
-        wt = _tile(weight, rows)
+        scale = None if weight is None else np.empty_like(xc)  # rstd outer weight
         bt = _tile(bias, rows)
+        ones = np.ones((n, 1), dtype=acc)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, mu, r = slice(0, j - i), mean[i:j], rstd[i:j]
             xb = load_block(x[i:j], tmp, acc)
-            np.add.reduce(xb, axis=1, out=mu)
+            np.matmul(xb[:, None, :], ones, out=mu.reshape(-1, 1, 1))
             mu /= n
-            np.subtract(xb, mu[:, None], out=xc[b])
-            np.multiply(xc[b], xc[b], out=tmp[b])
-            np.add.reduce(tmp[b], axis=1, out=r)
+            c = xc[b]
+            np.subtract(xb, mu[:, None], out=c)
+            np.matmul(c[:, None, :], c[:, :, None], out=r.reshape(-1, 1, 1))
             r /= n
             r += eps
             np.sqrt(r, out=r)
             np.divide(1, r, out=r)
             out = y[i:j] if y.dtype == acc else tmp[b]
-            np.multiply(xc[b], r[:, None], out=out)
-            if wt is not None:
-                np.multiply(out, wt[b], out=out)
+            if scale is None:
+                np.multiply(c, r[:, None], out=out)
+            else:
+                np.multiply(r[:, None], weight, out=scale[b])
+                np.multiply(c, scale[b], out=out)
             if bt is not None:
                 np.add(out, bt[b], out=out)
             if y.dtype != acc:
@@ -212,41 +218,52 @@ def _tile(param, rows):
 def _backward_numpy(dy, x, mean, rstd, weight, *, block_rows=None, threads=None):
     """Fast backward on matrices (M, N): returns dx (M, N), dweight (N,), dbias (N,) in acc.
 
-    Per block: recompute xhat, accumulate the column sums for dweight and dbias, then the two
-    row reductions mean(g) and mean(g * xhat) and dx = rstd * (g - mean(g) - xhat * mean(g xhat)).
+    With ``xc = x - mean``, ``D = dy * xc`` and per-row dot products ``c1 = dy . weight`` and
+    ``c2 = D . weight`` (BLAS, one per row), the gradient is
+
+        dx = dy * (rstd outer weight) - xc * (rstd^3 c2 / N) - rstd c1 / N,
+
+    the same quantity as ``rstd * (g - mean(g) - xhat * mean(g xhat))`` with ``g = dy * weight``,
+    arranged so that each pass over the block does as much as one NumPy call can. The column
+    sums ``dweight += rstd @ D`` and ``dbias += 1 @ dy`` are matrix-vector products.
     """
     m, n = x.shape
     acc = mean.dtype
     dx = np.empty((m, n), dtype=x.dtype)
+    w = np.ones(n, dtype=acc) if weight is None else weight
 
     def chunk(start, stop, rows):
         rows = max(1, min(rows, stop - start))
-        xhat, tmp, gbuf, dybuf = (np.empty((rows, n), dtype=acc) for _ in range(4))
-        wt = _tile(weight, rows)
+        xc, prod, xbuf, dybuf = (np.empty((rows, n), dtype=acc) for _ in range(4))
+        ones = np.ones(rows, dtype=acc)
         c1, c2 = np.empty(rows, dtype=acc), np.empty(rows, dtype=acc)
         colsum = np.empty(n, dtype=acc)
         dweight, dbias = np.zeros(n, dtype=acc), np.zeros(n, dtype=acc)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
-            b, r = slice(0, j - i), rstd[i:j, None]
-            xb = load_block(x[i:j], tmp, acc)
-            np.subtract(xb, mean[i:j, None], out=xhat[b])
-            np.multiply(xhat[b], r, out=xhat[b])
-            g = dyb = load_block(dy[i:j], dybuf, acc)
-            np.multiply(dyb, xhat[b], out=tmp[b])
-            dweight += np.add.reduce(tmp[b], axis=0, out=colsum)
-            dbias += np.add.reduce(dyb, axis=0, out=colsum)
-            if wt is not None:
-                g = np.multiply(dyb, wt[b], out=gbuf[b])
-            np.add.reduce(g, axis=1, out=c1[b])
-            c1[b] /= n
-            np.multiply(g, xhat[b], out=tmp[b])
-            np.add.reduce(tmp[b], axis=1, out=c2[b])
-            c2[b] /= n
-            np.multiply(xhat[b], c2[b, None], out=xhat[b])
-            np.subtract(g, xhat[b], out=xhat[b])
-            np.subtract(xhat[b], c1[b, None], out=xhat[b])
-            np.multiply(xhat[b], r, out=dx[i:j], casting="same_kind")
+            b, r, k = slice(0, j - i), rstd[i:j], j - i
+            c = xc[b]
+            np.subtract(load_block(x[i:j], xbuf, acc), mean[i:j, None], out=c)
+            g = load_block(dy[i:j], dybuf, acc)
+            d = prod[b]
+            np.multiply(g, c, out=d)
+            dweight += np.matmul(r, d, out=colsum)
+            dbias += np.matmul(ones[:k], g, out=colsum)
+            np.matmul(g[:, None, :], w[:, None], out=c1[b].reshape(-1, 1, 1))
+            np.matmul(d[:, None, :], w[:, None], out=c2[b].reshape(-1, 1, 1))
+            alpha, beta = c2[b], c1[b]
+            alpha *= r
+            alpha *= r
+            alpha *= r / n  # rstd^3 c2 / N
+            beta *= r / n  # rstd c1 / N
+            out = dx[i:j] if dx.dtype == acc else xbuf[b]
+            np.multiply(r[:, None], w, out=d)  # rstd outer weight
+            np.multiply(g, d, out=out)
+            np.multiply(c, alpha[:, None], out=c)
+            np.subtract(out, c, out=out)
+            np.subtract(out, beta[:, None], out=out)
+            if dx.dtype != acc:
+                np.copyto(dx[i:j], out, casting="same_kind")
         return dweight, dbias
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
