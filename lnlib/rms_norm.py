@@ -6,7 +6,7 @@ from . import _validate as check
 from . import reference
 from ._backend import accumulation_dtype, get_array_module
 from ._rows import as_rows, load_block, run_chunks
-from .layer_norm import _flat, _tile
+from .layer_norm import _flat
 
 __all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
 
@@ -119,7 +119,11 @@ def rms_norm_backward(dy, x, rstd, weight=None):
 
 
 def _forward_numpy(x, weight, eps, *, block_rows=None, threads=None):
-    """Fast forward on a matrix ``x`` (M, N): returns y (M, N) and rstd (M,)."""
+    """Fast forward on a matrix ``x`` (M, N): returns y (M, N) and rstd (M,).
+
+    Per block: the sums of squares as one BLAS dot product per row (stacked ``matmul``), then
+    ``y = x * (rstd outer weight)`` in one pass; see :func:`lnlib.layer_norm._forward_numpy`.
+    """
     m, n = x.shape
     acc = accumulation_dtype(x.dtype)
     y = np.empty((m, n), dtype=x.dtype)
@@ -129,21 +133,21 @@ def _forward_numpy(x, weight, eps, *, block_rows=None, threads=None):
         rows = max(1, min(rows, stop - start))
         xbuf = np.empty((rows, n), dtype=acc)
         tmp = np.empty_like(xbuf)
-        wt = _tile(weight, rows)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, r = slice(0, j - i), rstd[i:j]
             xb = load_block(x[i:j], xbuf, acc)
-            np.multiply(xb, xb, out=tmp[b])
-            np.add.reduce(tmp[b], axis=1, out=r)
+            np.matmul(xb[:, None, :], xb[:, :, None], out=r.reshape(-1, 1, 1))
             r /= n
             r += eps
             np.sqrt(r, out=r)
             np.divide(1, r, out=r)
             out = y[i:j] if y.dtype == acc else tmp[b]
-            np.multiply(xb, r[:, None], out=out)
-            if wt is not None:
-                np.multiply(out, wt[b], out=out)
+            if weight is None:
+                np.multiply(xb, r[:, None], out=out)
+            else:
+                np.multiply(r[:, None], weight, out=tmp[b])
+                np.multiply(xb, tmp[b], out=out)
             if y.dtype != acc:
                 np.copyto(y[i:j], out, casting="same_kind")
 
@@ -152,34 +156,42 @@ def _forward_numpy(x, weight, eps, *, block_rows=None, threads=None):
 
 
 def _backward_numpy(dy, x, rstd, weight, *, block_rows=None, threads=None):
-    """Fast backward on matrices (M, N): returns dx (M, N) and dweight (N,) in acc dtype."""
+    """Fast backward on matrices (M, N): returns dx (M, N) and dweight (N,) in acc dtype.
+
+    With ``D = dy * x`` and the per-row dot product ``c = D . weight``,
+    ``dx = dy * (rstd outer weight) - x * (rstd^3 c / N)`` and ``dweight += rstd @ D``.
+    """
     m, n = x.shape
     acc = rstd.dtype
     dx = np.empty((m, n), dtype=x.dtype)
+    w = np.ones(n, dtype=acc) if weight is None else weight
 
     def chunk(start, stop, rows):
         rows = max(1, min(rows, stop - start))
-        xhat, tmp, gbuf, dybuf = (np.empty((rows, n), dtype=acc) for _ in range(4))
-        wt = _tile(weight, rows)
-        c2 = np.empty(rows, dtype=acc)
+        prod, xbuf, dybuf, scaled = (np.empty((rows, n), dtype=acc) for _ in range(4))
+        c = np.empty(rows, dtype=acc)
         colsum = np.empty(n, dtype=acc)
         dweight = np.zeros(n, dtype=acc)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
-            b, r = slice(0, j - i), rstd[i:j, None]
-            xb = load_block(x[i:j], tmp, acc)
-            np.multiply(xb, r, out=xhat[b])
-            g = dyb = load_block(dy[i:j], dybuf, acc)
-            np.multiply(dyb, xhat[b], out=tmp[b])
-            dweight += np.add.reduce(tmp[b], axis=0, out=colsum)
-            if wt is not None:
-                g = np.multiply(dyb, wt[b], out=gbuf[b])
-                np.multiply(g, xhat[b], out=tmp[b])
-            np.add.reduce(tmp[b], axis=1, out=c2[b])
-            c2[b] /= n
-            np.multiply(xhat[b], c2[b, None], out=xhat[b])
-            np.subtract(g, xhat[b], out=xhat[b])
-            np.multiply(xhat[b], r, out=dx[i:j], casting="same_kind")
+            b, r = slice(0, j - i), rstd[i:j]
+            xb = load_block(x[i:j], xbuf, acc)
+            g = load_block(dy[i:j], dybuf, acc)
+            d = prod[b]
+            np.multiply(g, xb, out=d)
+            dweight += np.matmul(r, d, out=colsum)
+            np.matmul(d[:, None, :], w[:, None], out=c[b].reshape(-1, 1, 1))
+            alpha = c[b]
+            alpha *= r
+            alpha *= r
+            alpha *= r / n  # rstd^3 c / N
+            out = dx[i:j] if dx.dtype == acc else scaled[b]
+            np.multiply(r[:, None], w, out=d)  # rstd outer weight
+            np.multiply(g, d, out=out)
+            np.multiply(xb, alpha[:, None], out=d)
+            np.subtract(out, d, out=out)
+            if dx.dtype != acc:
+                np.copyto(dx[i:j], out, casting="same_kind")
         return dweight
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
