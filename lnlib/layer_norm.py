@@ -161,9 +161,10 @@ def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
 
     Per block of rows, all on cache-resident data: the row sums and, after centring, the sums
     of squares (each one BLAS dot product per row, through a stacked ``matmul``: vectorised,
-    with many partial sums, so as accurate as pairwise summation here), then ``y = xc * (rstd outer weight) + bias``: the outer product folds
-    the two scalings into one pass, and the bias is tiled once per chunk so that its addition
-    is a plain contiguous loop.
+    with many partial sums, so as accurate as pairwise summation here), then
+    ``y = xc * (rstd outer weight) + bias``, computed in place in the output block: the outer
+    product folds the two scalings into one pass, and the bias is tiled once per chunk so
+    that its addition is a plain contiguous loop.
 
     Batch invariance: each row's sums are computed by the same routine on a contiguous row of
     the same length, wherever the row sits (``np.einsum`` is avoided: its sums depend on the
@@ -177,34 +178,35 @@ def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
 
     def chunk(start, stop, rows):
         rows = max(1, min(rows, stop - start))
-        xc = np.empty((rows, n), dtype=acc)  # centred block
-        tmp = np.empty_like(xc)  # input copy, then output in acc dtype
-        scale = None if weight is None else np.empty_like(xc)  # rstd outer weight
+        # The centred block is built in the output block itself when y is in the accumulation
+        # dtype (one array less in cache); float16 output goes through scratch blocks.
+        xc = None if y.dtype == acc else np.empty((rows, n), dtype=acc)
+        xbuf = np.empty((rows, n), dtype=acc)  # copy of a strided or float16 input block
+        scale = None if weight is None else np.empty((rows, n), dtype=acc)  # rstd outer weight
         bt = _tile(bias, rows)
         ones = np.ones((n, 1), dtype=acc)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, mu, r = slice(0, j - i), mean[i:j], rstd[i:j]
-            xb = load_block(x[i:j], tmp, acc)
+            xb = load_block(x[i:j], xbuf, acc)
             np.matmul(xb[:, None, :], ones, out=mu.reshape(-1, 1, 1))
             mu /= n
-            c = xc[b]
+            c = y[i:j] if xc is None else xc[b]
             np.subtract(xb, mu[:, None], out=c)
             np.matmul(c[:, None, :], c[:, :, None], out=r.reshape(-1, 1, 1))
             r /= n
             r += eps
             np.sqrt(r, out=r)
             np.divide(1, r, out=r)
-            out = y[i:j] if y.dtype == acc else tmp[b]
             if scale is None:
-                np.multiply(c, r[:, None], out=out)
+                np.multiply(c, r[:, None], out=c)
             else:
                 np.multiply(r[:, None], weight, out=scale[b])
-                np.multiply(c, scale[b], out=out)
+                np.multiply(c, scale[b], out=c)
             if bt is not None:
-                np.add(out, bt[b], out=out)
-            if y.dtype != acc:
-                np.copyto(y[i:j], out, casting="same_kind")
+                np.add(c, bt[b], out=c)
+            if xc is not None:
+                np.copyto(y[i:j], c, casting="same_kind")
 
     run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
     return y, mean, rstd
