@@ -75,6 +75,19 @@ def same_shape(a, name, x):
         raise ValueError(f"{name} must have the shape of x, {x.shape}, got {a.shape}")
 
 
+def backward_inputs(dy, x, xp, **stats):
+    """Check the arguments every row-wise backward takes: ``dy``, ``x`` and saved statistics.
+
+    Returns ``(dy, x, stats, k)`` with ``stats`` a list in the order given and ``k`` the
+    number of normalized axes.
+    """
+    x = float_array(x, "x", xp)
+    dy = float_array(dy, "dy", xp)
+    same_shape(dy, "dy", x)
+    stats = {name: float_array(s, name, xp) for name, s in stats.items()}
+    return dy, x, list(stats.values()), saved_stats(x, **stats)
+
+
 def saved_stats(x, **stats):
     """Check saved statistics (mean, rstd): all of one shape, the leading axes of ``x``.
 

@@ -139,12 +139,7 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
         that does not broadcast against ``x``.
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, scale=scale)
-    x = check.float_array(x, "x", xp)
-    dy = check.float_array(dy, "dy", xp)
-    check.same_shape(dy, "dy", x)
-    mean = check.float_array(mean, "mean", xp)
-    rstd = check.float_array(rstd, "rstd", xp)
-    k = check.saved_stats(x, mean=mean, rstd=rstd)
+    dy, x, (mean, rstd), k = check.backward_inputs(dy, x, xp, mean=mean, rstd=rstd)
     scale = check.float_array(scale, "scale", xp)
     check.broadcast_modulation(scale, "scale", x)
     shift_shape = scale.shape if shift_shape is None else tuple(shift_shape)

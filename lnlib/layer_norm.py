@@ -132,12 +132,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None):
     Derived in the book, chapter "The math of LayerNorm", section on the backward pass.
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
-    x = check.float_array(x, "x", xp)
-    dy = check.float_array(dy, "dy", xp)
-    check.same_shape(dy, "dy", x)
-    mean = check.float_array(mean, "mean", xp)
-    rstd = check.float_array(rstd, "rstd", xp)
-    k = check.saved_stats(x, mean=mean, rstd=rstd)
+    dy, x, (mean, rstd), k = check.backward_inputs(dy, x, xp, mean=mean, rstd=rstd)
     norm = x.shape[x.ndim - k :]
     weight = check.optional_param(weight, "weight", norm, xp)
     if xp is not np:

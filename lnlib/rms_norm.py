@@ -104,11 +104,7 @@ def rms_norm_backward(dy, x, rstd, weight=None):
         As for :func:`lnlib.layer_norm_backward`.
     """
     xp = get_array_module(dy=dy, x=x, rstd=rstd, weight=weight)
-    x = check.float_array(x, "x", xp)
-    dy = check.float_array(dy, "dy", xp)
-    check.same_shape(dy, "dy", x)
-    rstd = check.float_array(rstd, "rstd", xp)
-    k = check.saved_stats(x, rstd=rstd)
+    dy, x, (rstd,), k = check.backward_inputs(dy, x, xp, rstd=rstd)
     norm = x.shape[x.ndim - k :]
     weight = check.optional_param(weight, "weight", norm, xp)
     if xp is not np:
