@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 #: Bytes of one scratch block; several of them must fit in a core's L2 cache together.
-BLOCK_BYTES = 1 << 19
+BLOCK_BYTES = 1 << 20
 #: Below this many elements one thread is faster than handing work to the pool.
 PARALLEL_MIN_ELEMENTS = 1 << 16
 

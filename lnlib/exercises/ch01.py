@@ -194,7 +194,7 @@ def _ref_masked_step_stats(a, lengths):
 def check_masked_step_stats(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(a, lengths) -> (mean, var)``: batch statistics per time step, padding excluded.
 
-    ``a`` has shape (N, T, H): the pre-activations of N sequences, padded to length T;
+    ``a`` has shape (N, T, D): the pre-activations of N sequences, padded to length T;
     ``lengths`` (N,) holds integers with ``1 <= lengths[i] <= T`` and ``max(lengths) == T``.
     At step ``t`` only the sequences with ``lengths[i] > t`` count. ``mean`` and ``var``
     (biased) have shape (T, H).
