@@ -2,6 +2,7 @@ r"""Layer normalization (Ba, Kiros and Hinton, 2016): forward and backward."""
 
 import numpy as np
 
+from . import _cpu_kernels as kernels
 from . import _validate as check
 from . import reference
 from ._backend import accumulation_dtype, get_array_module
@@ -83,7 +84,8 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
     if xp is not np:
         return reference.layer_norm_forward(x, weight, bias, eps=eps, normalized_ndim=k)
     lead = x.shape[: x.ndim - k]
-    y, mean, rstd = _forward_numpy(as_rows(x, k), _flat(weight, x), _flat(bias, x), eps)
+    fast = _forward_kernel if kernels.function("layer_norm_fwd", x.dtype) else _forward_numpy
+    y, mean, rstd = fast(as_rows(x, k), _flat(weight, x), _flat(bias, x), eps)
     return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
 
 
@@ -137,7 +139,10 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None):
     weight = check.optional_param(weight, "weight", norm, xp)
     if xp is not np:
         return reference.layer_norm_backward(dy, x, mean, rstd, weight)
-    dx, dweight, dbias = _backward_numpy(
+    fast = _backward_numpy
+    if kernels.function("layer_norm_bwd", x.dtype) and mean.dtype == rstd.dtype == x.dtype:
+        fast = _backward_kernel
+    dx, dweight, dbias = fast(
         as_rows(dy, k), as_rows(x, k), mean.reshape(-1), rstd.reshape(-1), _flat(weight, x)
     )
     pdtype = x.dtype if weight is None else weight.dtype
@@ -264,6 +269,51 @@ def _backward_numpy(dy, x, mean, rstd, weight, *, block_rows=None, threads=None)
         return dweight, dbias
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
+    dweight, dbias = parts[0]
+    for dw, db in parts[1:]:
+        dweight += dw
+        dbias += db
+    return dx, dweight, dbias
+
+
+def _forward_kernel(x, weight, bias, eps, *, threads=None):
+    """Forward with the compiled kernel (float32/float64): one C call per chunk of rows."""
+    m, n = x.shape
+    fn = kernels.function("layer_norm_fwd", x.dtype)
+    x = kernels.rows_for_kernel(x, x.dtype)
+    weight, bias = (None if p is None else np.ascontiguousarray(p) for p in (weight, bias))
+    y = np.empty((m, n), dtype=x.dtype)
+    mean = np.empty(m, dtype=x.dtype)
+    rstd = np.empty(m, dtype=x.dtype)
+
+    def chunk(start, stop, _rows):
+        if stop > start:
+            fn(kernels.ptr(x, start), kernels.ld(x), kernels.ptr(y, start), n, kernels.ptr(mean, start),
+               kernels.ptr(rstd, start), kernels.ptr(weight), kernels.ptr(bias), stop - start, n, eps)
+
+    run_chunks(m, n, chunk, block_rows=1, threads=threads)
+    return y, mean, rstd
+
+
+def _backward_kernel(dy, x, mean, rstd, weight, *, threads=None):
+    """Backward with the compiled kernel; parameter gradients summed chunk by chunk, in order."""
+    m, n = x.shape
+    fn = kernels.function("layer_norm_bwd", x.dtype)
+    x = kernels.rows_for_kernel(x, x.dtype)
+    dy = kernels.rows_for_kernel(dy, x.dtype)
+    mean, rstd = np.ascontiguousarray(mean), np.ascontiguousarray(rstd)
+    weight = None if weight is None else np.ascontiguousarray(weight)
+    dx = np.empty((m, n), dtype=x.dtype)
+
+    def chunk(start, stop, _rows):
+        dweight, dbias = np.zeros(n, dtype=x.dtype), np.zeros(n, dtype=x.dtype)
+        if stop > start:
+            fn(kernels.ptr(dy, start), kernels.ld(dy), kernels.ptr(x, start), kernels.ld(x),
+               kernels.ptr(mean, start), kernels.ptr(rstd, start), kernels.ptr(weight),
+               kernels.ptr(dx, start), n, kernels.ptr(dweight), kernels.ptr(dbias), stop - start, n)
+        return dweight, dbias
+
+    parts = run_chunks(m, n, chunk, block_rows=1, threads=threads)
     dweight, dbias = parts[0]
     for dw, db in parts[1:]:
         dweight += dw

@@ -2,6 +2,7 @@ r"""Root-mean-square layer normalization (Zhang and Sennrich, 2019): forward and
 
 import numpy as np
 
+from . import _cpu_kernels as kernels
 from . import _validate as check
 from . import reference
 from ._backend import accumulation_dtype, get_array_module
@@ -69,7 +70,8 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1):
     weight = check.optional_param(weight, "weight", norm, xp)
     if xp is not np:
         return reference.rms_norm_forward(x, weight, eps=eps, normalized_ndim=k)
-    y, rstd = _forward_numpy(as_rows(x, k), _flat(weight, x), eps)
+    fast = _forward_kernel if kernels.function("rms_norm_fwd", x.dtype) else _forward_numpy
+    y, rstd = fast(as_rows(x, k), _flat(weight, x), eps)
     return y.reshape(x.shape), rstd.reshape(x.shape[: x.ndim - k])
 
 
@@ -109,7 +111,10 @@ def rms_norm_backward(dy, x, rstd, weight=None):
     weight = check.optional_param(weight, "weight", norm, xp)
     if xp is not np:
         return reference.rms_norm_backward(dy, x, rstd, weight)
-    dx, dweight = _backward_numpy(as_rows(dy, k), as_rows(x, k), rstd.reshape(-1), _flat(weight, x))
+    fast = _backward_numpy
+    if kernels.function("rms_norm_bwd", x.dtype) and rstd.dtype == x.dtype:
+        fast = _backward_kernel
+    dx, dweight = fast(as_rows(dy, k), as_rows(x, k), rstd.reshape(-1), _flat(weight, x))
     pdtype = x.dtype if weight is None else weight.dtype
     return dx.reshape(x.shape), dweight.reshape(norm).astype(pdtype)
 
@@ -191,6 +196,49 @@ def _backward_numpy(dy, x, rstd, weight, *, block_rows=None, threads=None):
         return dweight
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
+    dweight = parts[0]
+    for dw in parts[1:]:
+        dweight += dw
+    return dx, dweight
+
+
+def _forward_kernel(x, weight, eps, *, threads=None):
+    """Forward with the compiled kernel (float32/float64): one C call per chunk of rows."""
+    m, n = x.shape
+    fn = kernels.function("rms_norm_fwd", x.dtype)
+    x = kernels.rows_for_kernel(x, x.dtype)
+    weight = None if weight is None else np.ascontiguousarray(weight)
+    y = np.empty((m, n), dtype=x.dtype)
+    rstd = np.empty(m, dtype=x.dtype)
+
+    def chunk(start, stop, _rows):
+        if stop > start:
+            fn(kernels.ptr(x, start), kernels.ld(x), kernels.ptr(y, start), n, kernels.ptr(rstd, start),
+               kernels.ptr(weight), stop - start, n, eps)
+
+    run_chunks(m, n, chunk, block_rows=1, threads=threads)
+    return y, rstd
+
+
+def _backward_kernel(dy, x, rstd, weight, *, threads=None):
+    """Backward with the compiled kernel; dweight summed chunk by chunk, in order."""
+    m, n = x.shape
+    fn = kernels.function("rms_norm_bwd", x.dtype)
+    x = kernels.rows_for_kernel(x, x.dtype)
+    dy = kernels.rows_for_kernel(dy, x.dtype)
+    rstd = np.ascontiguousarray(rstd)
+    weight = None if weight is None else np.ascontiguousarray(weight)
+    dx = np.empty((m, n), dtype=x.dtype)
+
+    def chunk(start, stop, _rows):
+        dweight = np.zeros(n, dtype=x.dtype)
+        if stop > start:
+            fn(kernels.ptr(dy, start), kernels.ld(dy), kernels.ptr(x, start), kernels.ld(x),
+               kernels.ptr(rstd, start), kernels.ptr(weight), kernels.ptr(dx, start), n,
+               kernels.ptr(dweight), stop - start, n)
+        return dweight
+
+    parts = run_chunks(m, n, chunk, block_rows=1, threads=threads)
     dweight = parts[0]
     for dw in parts[1:]:
         dweight += dw

@@ -7,12 +7,27 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "lnlib", deadline=None, max_examples=60, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    "lnlib", deadline=None, max_examples=60, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "lnlib"))
 
 #: Tolerances against a float64 result, relative to the scale of the compared values.
 TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 4e-3}
+
+
+@pytest.fixture(params=["kernel", "numpy"])
+def cpu_path(request):
+    """Run a test once with the compiled CPU kernel and once with the NumPy fast path."""
+    from lnlib import _cpu_kernels
+
+    if request.param == "kernel":
+        if not _cpu_kernels.info()["kernel"]:
+            pytest.skip(f"compiled kernel not available: {_cpu_kernels.info()['reason']}")
+        yield "kernel"
+    else:
+        with _cpu_kernels.disabled():
+            yield "numpy"
 
 
 @pytest.fixture

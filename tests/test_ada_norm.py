@@ -9,6 +9,9 @@ import lnlib
 from lnlib import reference
 from conftest import assert_close, torch_tensor
 
+# Every test here runs with the compiled CPU kernel and with the NumPy fast path.
+pytestmark = pytest.mark.usefixtures("cpu_path")
+
 CASES = [((6, 8), (6, 8)), ((3, 5, 8), (3, 1, 8)), ((3, 5, 8), (8,)), ((2, 4, 6), (1, 4, 1))]
 DTYPES = [np.float64, np.float32, np.float16]
 

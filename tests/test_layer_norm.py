@@ -9,6 +9,9 @@ import lnlib
 from lnlib import reference
 from conftest import assert_close, torch_tensor
 
+# Every test here runs with the compiled CPU kernel and with the NumPy fast path.
+pytestmark = pytest.mark.usefixtures("cpu_path")
+
 SHAPES = [((7, 16), 1), ((3, 5, 8), 1), ((4, 6, 5), 2), ((2, 3, 4, 5), 3), ((9,), 1), ((2, 3, 1), 1)]
 DTYPES = [np.float64, np.float32, np.float16]
 

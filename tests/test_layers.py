@@ -7,6 +7,9 @@ import torch
 import lnlib
 from conftest import torch_tensor
 
+# Every test here runs with the compiled CPU kernel and with the NumPy fast path.
+pytestmark = pytest.mark.usefixtures("cpu_path")
+
 
 def test_layer_norm_layer_matches_torch_module(rng):
     x = rng.standard_normal((4, 3, 6))

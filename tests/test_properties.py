@@ -6,6 +6,10 @@ from hypothesis.extra import numpy as hnp
 
 import lnlib
 from lnlib import reference
+import pytest
+
+# Every test here runs with the compiled CPU kernel and with the NumPy fast path.
+pytestmark = pytest.mark.usefixtures("cpu_path")
 
 # Magnitudes per dtype: float64 over 1e-20..1e20; float32/float16 where squares stay finite
 # in the float32 accumulator and the values themselves are normal numbers of the dtype.
