@@ -24,8 +24,10 @@ doing nothing but moving its data.
 ``--steps`` times the successive optimisations of the forward (the chapter's plot): the
 readable reference; the fused version with preallocated scratch and ``out=`` arguments over
 the whole array in one thread; the same, row-blocked so a block stays in cache across the
-passes; and blocked with one thread per core. Every variant is checked against the reference
-before it is timed.
+passes; blocked with one thread per core; then the compiled C kernel
+(``lnlib/kernels/norms_cpu.c``, the path the public functions take for float32/float64 when a C
+compiler is available), in one thread and in one thread per core. Every variant is checked
+against the reference before it is timed.
 
 Book: Chapter 5, "Performance".
 """
@@ -190,11 +192,16 @@ def bench_shape(shape, dtype, repeats, copy_GBps, eps=1e-5):
 
 
 def step_variants(x, weight, bias, eps):
-    """The successive forward implementations of the chapter, as (name, callable) pairs."""
-    from lnlib.layer_norm import _forward_numpy
+    """The successive forward implementations of the chapter, as (name, callable) pairs.
+
+    The NumPy steps, then the compiled kernel (one pass from memory per row) in one thread and
+    in one thread per core, when it is available on this machine.
+    """
+    from lnlib import _cpu_kernels
+    from lnlib.layer_norm import _forward_kernel, _forward_numpy
 
     m = x.shape[0]
-    return [
+    steps = [
         ("reference (readable)",
          lambda: reference.layer_norm_forward(x, weight, bias, eps=eps)),
         ("fused, out= (1 thread)",
@@ -204,6 +211,12 @@ def step_variants(x, weight, bias, eps):
         ("row-blocked + threads",
          lambda: _forward_numpy(x, weight, bias, eps)),
     ]
+    if _cpu_kernels.function("layer_norm_fwd", x.dtype) is not None:
+        steps += [
+            ("C kernel (1 thread)", lambda: _forward_kernel(x, weight, bias, eps, threads=1)),
+            ("C kernel + threads", lambda: _forward_kernel(x, weight, bias, eps)),
+        ]
+    return steps
 
 
 def bench_steps(shape, dtype, repeats, copy_GBps, eps=1e-5):
@@ -250,7 +263,15 @@ def machine_info():
         "python": platform.python_version(), "numpy": np.__version__,
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "cpu_threads": lnlib_cpu_threads(),
+        "lnlib_cpu_path": _cpu_path(),
     }
+
+
+def _cpu_path():
+    from lnlib import _cpu_kernels
+
+    info = _cpu_kernels.info()
+    return "compiled C kernel" if info["kernel"] else f"NumPy ({info['reason']})"
 
 
 def format_table(results, copy):
