@@ -12,6 +12,7 @@ checker                             the reader writes
 :func:`check_backward_from_output`  ``fn(dy, y, rstd, weight, bias) -> dx``
 :func:`check_min_time`              ``fn(M, H, itemsize, bandwidth_GBps, backward=False) -> s``
 :func:`check_sharded_rms_rstd`      ``fn(shards, eps) -> rstd`` of RMSNorm over sharded rows
+:func:`check_lane_sum`              ``fn(x, lanes=16) -> sums``, in the compiled kernel's order
 ==================================  ===================================================
 
 The book derives each of them in Chapter 5.
@@ -34,6 +35,7 @@ __all__ = [
     "check_backward_from_output",
     "check_min_time",
     "check_sharded_rms_rstd",
+    "check_lane_sum",
 ]
 
 
@@ -187,3 +189,52 @@ def check_sharded_rms_rstd(fn: Callable[..., Any]) -> CheckResult:
     return check(fn, _ref_sharded_rms_rstd, cases,
                  name=getattr(fn, "__name__", "sharded_rms_rstd"), rtol=1e-10, atol=0.0,
                  check_dtype=False)
+
+
+# ------------------------------------------- exercise: the compiled kernel's summation order
+
+def _ref_lane_sum(x, lanes=16):
+    """Sum over the last axis in ``lanes`` partial sums, in the order of norms_cpu.c."""
+    x = np.asarray(x)
+    n = x.shape[-1]
+    full = n // lanes * lanes
+    acc = np.zeros(x.shape[:-1] + (lanes,), dtype=x.dtype)  # one partial sum per lane
+    for i in range(0, full, lanes):
+        acc += x[..., i:i + lanes]
+    tail = np.zeros(x.shape[:-1], dtype=x.dtype)  # the last n mod lanes elements, in order
+    for i in range(full, n):
+        tail += x[..., i]
+    width = lanes // 2
+    while width:
+        acc[..., :width] += acc[..., width:2 * width]
+        width //= 2
+    return acc[..., 0] + tail
+
+
+def check_lane_sum(fn: Callable[..., Any]) -> CheckResult:
+    """Check ``fn(x, lanes=16) -> sums``: the sum over the last axis of ``x`` (float32 or
+    float64, any number of leading axes), computed in the order of the compiled kernel, with
+    every operation in the dtype of ``x``, so that the result is equal **bit for bit**:
+
+    element ``i`` of the first ``n // lanes * lanes`` is added, in order, to partial sum
+    ``i % lanes``; the remaining elements are added, in order, to a separate ``tail``; the
+    partial sums are then combined pairwise, ``acc[k] += acc[k + w]`` for ``k < w`` and
+    ``w = lanes/2, lanes/4, ..., 1``; the result is ``acc[0] + tail``. ``lanes`` is a power
+    of two.
+    """
+    rng = _rng()
+
+    def rows(shape, dtype=np.float32):
+        return (1000 + rng.normal(size=shape)).astype(dtype)  # a large mean: order shows
+
+    cases = [
+        Case("float32 rows of 4099 values (mean 1000)", rows((6, 4099))),
+        Case("rows of exactly 16 values", rows((5, 16))),
+        Case("rows shorter than the lanes (5 values: tail only)", rows((4, 5))),
+        Case("rows of 1 value", rows((3, 1))),
+        Case("lanes=4 on rows of 37 values", rows((4, 37)), {"lanes": 4}),
+        Case("float64 rows of 1000 values", rows((3, 1000), np.float64)),
+        Case("three dimensions (2, 3, 70)", rows((2, 3, 70))),
+    ]
+    return check(fn, _ref_lane_sum, cases, name=getattr(fn, "__name__", "lane_sum"),
+                 rtol=0.0, atol=0.0)

@@ -1,7 +1,10 @@
 """The Chapter 5 checkers pass correct solutions and catch typical mistakes."""
 
 import numpy as np
+import pytest
 
+import lnlib
+from lnlib import _cpu_kernels
 from lnlib.exercises import ch05
 
 
@@ -58,13 +61,44 @@ def sharded_rms_mean_of_means(shards, eps):
     return 1 / np.sqrt(ms + eps)
 
 
+def lane_sum(x, lanes=16):
+    n = x.shape[-1]
+    full = n // lanes * lanes
+    acc = np.zeros(x.shape[:-1] + (lanes,), x.dtype)
+    for i in range(0, full, lanes):
+        acc += x[..., i:i + lanes]
+    tail = np.zeros(x.shape[:-1], x.dtype)
+    for i in range(full, n):
+        tail += x[..., i]
+    w = lanes // 2
+    while w:
+        acc[..., :w] += acc[..., w:2 * w]
+        w //= 2
+    return acc[..., 0] + tail
+
+
+def lane_sum_lanes_added_in_order(x, lanes=16):
+    n = x.shape[-1]
+    full = n // lanes * lanes
+    acc = np.zeros(x.shape[:-1] + (lanes,), x.dtype)
+    for i in range(0, full, lanes):
+        acc += x[..., i:i + lanes]
+    total = np.zeros(x.shape[:-1], x.dtype)
+    for k in range(lanes):
+        total += acc[..., k]
+    for i in range(full, n):
+        total += x[..., i]
+    return total
+
+
 def test_correct_solutions_pass(capsys):
     assert ch05.check_merge(merge)
     assert ch05.check_welford(welford)
     assert ch05.check_backward_from_output(backward_from_output)
     assert ch05.check_min_time(min_time)
     assert ch05.check_sharded_rms_rstd(sharded_rms_rstd)
-    assert capsys.readouterr().out.count("PASS") == 5
+    assert ch05.check_lane_sum(lane_sum)
+    assert capsys.readouterr().out.count("PASS") == 6
 
 
 def test_mistakes_are_caught(capsys):
@@ -73,6 +107,18 @@ def test_mistakes_are_caught(capsys):
     assert not ch05.check_backward_from_output(backward_ignores_bias)
     assert not ch05.check_min_time(lambda M, H, i, b, backward=False: 2 * M * H * i / b)
     assert not ch05.check_sharded_rms_rstd(sharded_rms_mean_of_means)
+    assert not ch05.check_lane_sum(lambda x, lanes=16: x.sum(axis=-1))
+    assert not ch05.check_lane_sum(lane_sum_lanes_added_in_order)
+    assert not ch05.check_lane_sum(lambda x, lanes=16: lane_sum(x.astype(np.float64)).astype(x.dtype))
     out = capsys.readouterr().out
-    assert out.count("FAIL") == 5
+    assert out.count("FAIL") == 8
     assert "a mean of 1e8" in out
+
+
+def test_lane_sum_is_the_kernels_order(rng):
+    """The exercise's order is the compiled kernel's: the row sum / n is lnlib's mean, bitwise."""
+    if not _cpu_kernels.info()["kernel"]:
+        pytest.skip(_cpu_kernels.info()["reason"])
+    for n in (1, 5, 16, 37, 768, 4099):
+        x = (1000 + rng.standard_normal((8, n))).astype(np.float32)
+        np.testing.assert_array_equal(lane_sum(x) / np.float32(n), lnlib.layer_norm_forward(x)[1])
