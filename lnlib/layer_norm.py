@@ -159,9 +159,10 @@ def _flat(param, x):
 def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
     """Fast forward on a matrix ``x`` (M, N): returns y (M, N), mean (M,), rstd (M,).
 
-    Per block of rows, all on cache-resident data: the row sums and, after centring, the sums
-    of squares (each one BLAS dot product per row, through a stacked ``matmul``: vectorised,
-    with many partial sums, so as accurate as pairwise summation here), then
+    Per block of rows, all on cache-resident data: the row sums, the sums of the deviations
+    from that first mean (which correct it: the corrected two-pass algorithm) and the sums of
+    squared deviations from the corrected mean, each one BLAS dot product per row through a
+    stacked ``matmul`` (vectorised, with many partial sums); then
     ``y = xc * (rstd outer weight) + bias``, computed in place in the output block: the outer
     product folds the two scalings into one pass, and the bias is tiled once per chunk so
     that its addition is a plain contiguous loop.
@@ -185,6 +186,7 @@ def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
         scale = None if weight is None else np.empty((rows, n), dtype=acc)  # rstd outer weight
         bt = _tile(bias, rows)
         ones = np.ones((n, 1), dtype=acc)
+        delta = np.empty(rows, dtype=acc)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, mu, r = slice(0, j - i), mean[i:j], rstd[i:j]
@@ -192,6 +194,11 @@ def _forward_numpy(x, weight, bias, eps, *, block_rows=None, threads=None):
             np.matmul(xb[:, None, :], ones, out=mu.reshape(-1, 1, 1))
             mu /= n
             c = y[i:j] if xc is None else xc[b]
+            np.subtract(xb, mu[:, None], out=c)
+            # Corrected two-pass: the deviations' own mean corrects the first mean's rounding.
+            np.matmul(c[:, None, :], ones, out=delta[b].reshape(-1, 1, 1))
+            delta[b] /= n
+            mu += delta[b]
             np.subtract(xb, mu[:, None], out=c)
             np.matmul(c[:, None, :], c[:, :, None], out=r.reshape(-1, 1, 1))
             r /= n
