@@ -9,9 +9,9 @@
  * LayerNorm is memory-bound, so the time is set by the bytes moved, not by the arithmetic.
  *
  * Guarantees, matched by the tests:
- *  - two-pass statistics: the mean first, then the deviations from it, whose sum corrects
- *    the mean and whose squares give the variance (the corrected two-pass algorithm of
- *    Chan, Golub and LeVeque, 1983): never E[x^2] - E[x]^2;
+ *  - two-pass statistics: the mean first, corrected by the mean of the deviations from it
+ *    (the corrected two-pass algorithm of Chan, Golub and LeVeque, 1983), then the squared
+ *    deviations from the corrected mean: never E[x^2] - E[x]^2;
  *  - every sum is accumulated in LANES independent partial sums, in an order that depends on
  *    the row length only (never on the row's address or its place in the batch), then the
  *    partial sums are added pairwise: results are bitwise batch invariant and deterministic;
@@ -26,43 +26,28 @@
 
 #define DEFINE_KERNELS(T, SUF)                                                               \
                                                                                              \
-/* sum of x[i] (power 1) or of x[i] ** 2 (power 2), in LANES partial sums */                   \
-static T row_sum_##SUF(const T *x, ptrdiff_t n, int power)                                   \
+/* sum of (x[i] - shift) (power 1) or of (x[i] - shift) ** 2 (power 2), in LANES partial   \
+ * sums */                                                                                   \
+static T row_sum_##SUF(const T *x, ptrdiff_t n, T shift, int power)                         \
 {                                                                                            \
     T acc[LANES] = {0};                                                                      \
     T tail = 0;                                                                              \
     ptrdiff_t i = 0;                                                                         \
     if (power == 1) {                                                                        \
         for (; i + LANES <= n; i += LANES)                                                   \
-            for (int k = 0; k < LANES; k++) acc[k] += x[i + k];                              \
-        for (; i < n; i++) tail += x[i];                                                     \
+            for (int k = 0; k < LANES; k++) acc[k] += x[i + k] - shift;                      \
+        for (; i < n; i++) tail += x[i] - shift;                                             \
     } else {                                                                                 \
         for (; i + LANES <= n; i += LANES)                                                   \
-            for (int k = 0; k < LANES; k++) acc[k] += x[i + k] * x[i + k];                   \
-        for (; i < n; i++) tail += x[i] * x[i];                                              \
+            for (int k = 0; k < LANES; k++) {                                                \
+                T d = x[i + k] - shift;                                                      \
+                acc[k] += d * d;                                                             \
+            }                                                                                \
+        for (; i < n; i++) { T d = x[i] - shift; tail += d * d; }                            \
     }                                                                                        \
     for (int w = LANES / 2; w > 0; w /= 2)                                                   \
         for (int k = 0; k < w; k++) acc[k] += acc[k + w];                                    \
     return acc[0] + tail;                                                                    \
-}                                                                                            \
-                                                                                             \
-/* *s1 = sum of (x[i] - shift) and *s2 = sum of (x[i] - shift) ** 2, in one pass */         \
-static void row_moments_##SUF(const T *x, ptrdiff_t n, T shift, T *s1, T *s2)               \
-{                                                                                            \
-    T a1[LANES] = {0}, a2[LANES] = {0};                                                      \
-    T t1 = 0, t2 = 0;                                                                        \
-    ptrdiff_t i = 0;                                                                         \
-    for (; i + LANES <= n; i += LANES)                                                       \
-        for (int k = 0; k < LANES; k++) {                                                    \
-            T d = x[i + k] - shift;                                                          \
-            a1[k] += d;                                                                      \
-            a2[k] += d * d;                                                                  \
-        }                                                                                    \
-    for (; i < n; i++) { T d = x[i] - shift; t1 += d; t2 += d * d; }                         \
-    for (int h = LANES / 2; h > 0; h /= 2)                                                   \
-        for (int k = 0; k < h; k++) { a1[k] += a1[k + h]; a2[k] += a2[k + h]; }              \
-    *s1 = a1[0] + t1;                                                                        \
-    *s2 = a2[0] + t2;                                                                        \
 }                                                                                            \
                                                                                              \
 /* sum of a[i] * b[i] * (c ? c[i] : 1), in LANES partial sums */                             \
@@ -123,13 +108,11 @@ void layer_norm_fwd_##SUF(const T *restrict x, ptrdiff_t ldx, T *restrict y, ptr
     for (ptrdiff_t r = 0; r < m; r++) {                                                      \
         const T *xr = x + r * ldx;                                                           \
         T *yr = y + r * ldy;                                                                 \
-        /* corrected two-pass: the second pass measures how far the first mean is off */     \
-        T mu0 = row_sum_##SUF(xr, n, 1) / (T)n, s1, s2;                                      \
-        row_moments_##SUF(xr, n, mu0, &s1, &s2);                                             \
-        T delta = s1 / (T)n;                                                                 \
-        T mu = mu0 + delta;                                                                  \
-        T var = s2 / (T)n - delta * delta;                                                   \
-        if (var < 0) var = 0;                                                                \
+        /* corrected two-pass: the deviations from the first mean say how far it is off; the \
+         * row is in cache after the first pass, so the later passes cost little */          \
+        T mu0 = row_sum_##SUF(xr, n, 0, 1) / (T)n;                                           \
+        T mu = mu0 + row_sum_##SUF(xr, n, mu0, 1) / (T)n;                                    \
+        T var = row_sum_##SUF(xr, n, mu, 2) / (T)n;                                          \
         T rs = (T)1 / (T)sqrt((double)(var + (T)eps));                                      \
         mean[r] = mu;                                                                        \
         rstd[r] = rs;                                                                        \
@@ -181,7 +164,7 @@ void rms_norm_fwd_##SUF(const T *restrict x, ptrdiff_t ldx, T *restrict y, ptrdi
     for (ptrdiff_t r = 0; r < m; r++) {                                                      \
         const T *xr = x + r * ldx;                                                           \
         T *yr = y + r * ldy;                                                                 \
-        T ms = row_sum_##SUF(xr, n, 2) / (T)n;                                            \
+        T ms = row_sum_##SUF(xr, n, 0, 2) / (T)n;                                            \
         T rs = (T)1 / (T)sqrt((double)(ms + (T)eps));                                        \
         rstd[r] = rs;                                                                        \
         if (weight)                                                                          \
