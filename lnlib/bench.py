@@ -8,6 +8,7 @@ slow moment of the machine hits all of them alike):
 * ``torch_fwd``: ``torch.nn.functional.layer_norm`` on the same memory (CPU, torch's default
   number of threads, no autograd);
 * ``lnlib_fwdbwd``: :func:`lnlib.layer_norm_forward` then :func:`lnlib.layer_norm_backward`;
+* ``lnlib_bwd``: :func:`lnlib.layer_norm_backward` alone, from saved statistics;
 * ``torch_fwdbwd``: ``F.layer_norm`` then ``backward`` through autograd, with ``x``, weight and
   bias requiring gradients;
 
@@ -155,6 +156,11 @@ def bench_shape(shape, dtype, repeats, copy_GBps, eps=1e-5):
         F.layer_norm(xg, (h,), wg, bg, eps).backward(dyt)
         return xg.grad, wg.grad, bg.grad
 
+    saved = lnlib.layer_norm_forward(x, weight, bias, eps=eps)[1:]
+
+    def lnlib_bwd():
+        return lnlib.layer_norm_backward(dy, x, *saved, weight)
+
     # Time only what has been checked: lnlib against torch, once, before timing.
     y_l, dx_l = lnlib_fwd()[0], lnlib_fwdbwd()[0]
     y_t, dx_t = torch_fwd().numpy(), torch_fwdbwd()[0].numpy()
@@ -166,7 +172,7 @@ def bench_shape(shape, dtype, repeats, copy_GBps, eps=1e-5):
                              f"forward {err_fwd:.3g}, backward {err_bwd:.3g}")
 
     tasks = {"lnlib_fwd": lnlib_fwd, "torch_fwd": torch_fwd,
-             "lnlib_fwdbwd": lnlib_fwdbwd, "torch_fwdbwd": torch_fwdbwd}
+             "lnlib_fwdbwd": lnlib_fwdbwd, "torch_fwdbwd": torch_fwdbwd, "lnlib_bwd": lnlib_bwd}
     times = _median_times(tasks, repeats)
     med = {k: statistics.median(v) for k, v in times.items()}
 
@@ -288,6 +294,9 @@ def format_table(results, copy):
                 f"{shape:>12} {r['dtype']:>8} | {label:>7} {r[f'lnlib_{kind}_s'] * 1e3:9.2f} "
                 f"{r[f'torch_{kind}_s'] * 1e3:9.2f} {r[f'{kind}_speedup']:7.2f}x "
                 f"{r[f'lnlib_{kind}_GBps']:7.2f} {r[f'lnlib_{kind}_copy_fraction']:7.0%}")
+        if "lnlib_bwd_s" in r:
+            lines.append(f"{shape:>12} {r['dtype']:>8} | {'bwd':>7} {r['lnlib_bwd_s'] * 1e3:9.2f} "
+                         f"{'':>9} (lnlib backward alone, from saved mean and rstd)")
     return "\n".join(lines)
 
 
