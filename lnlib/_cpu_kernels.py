@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ._rows import contiguous_rows
+
 SOURCE = Path(__file__).with_name("kernels") / "norms_cpu.c"
 # -ffp-contract=off: no fused multiply-adds, so each operation rounds as written.
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
@@ -133,7 +135,7 @@ def function(name, dtype):
 
 def rows_for_kernel(a, dtype):
     """``a`` (2-d) as rows the kernel can read: contiguous, forwards, of ``dtype``."""
-    if a.dtype == dtype and a.strides[1] == a.itemsize and a.strides[0] >= a.shape[1] * a.itemsize:
+    if a.dtype == dtype and contiguous_rows(a):
         return a
     return np.ascontiguousarray(a, dtype=dtype)
 
