@@ -182,7 +182,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 
     Parameters
     ----------
-    x : torch.Tensor, shape (..., *normalized_shape), float16/bfloat16/float32/float64
+    x : torch.Tensor, shape ``(..., *normalized_shape)``, float16/bfloat16/float32/float64
     normalized_shape : int or tuple of int
         The trailing axes to normalize over.
     weight, bias : torch.Tensor of shape ``normalized_shape`` or None
