@@ -48,7 +48,7 @@ def _running(a, name, channels, xp):
 
 def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, training,
                        momentum=0.1, eps=1e-5):
-    r"""Batch normalization forward pass, like :func:`torch.nn.functional.batch_norm`.
+    r"""Batch normalization forward pass, like ``torch.nn.functional.batch_norm``.
 
     For ``x`` of shape ``(N, C, ...)`` each channel :math:`c` is normalized with statistics
     over every other axis (the batch and any spatial axes), :math:`m` values in all:

@@ -45,7 +45,7 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
         Added to the variance inside the square root; finite and >= 0.
     normalized_ndim : int, default 1
         How many trailing axes to normalize over, like the length of ``normalized_shape`` in
-        :func:`torch.nn.functional.layer_norm`.
+        ``torch.nn.functional.layer_norm``.
 
     Returns
     -------

@@ -55,7 +55,7 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1):
 
     Notes
     -----
-    Covered in the book, chapter "Variants". Matches :func:`torch.nn.functional.rms_norm`
+    Covered in the book, chapter "Variants". Matches ``torch.nn.functional.rms_norm``
     with the same ``eps``.
 
     References

@@ -266,7 +266,7 @@ def check(user_fn: Callable, reference_fn: Callable, cases: Sequence[Case], *,
     cases : sequence of Case
         The inputs: ordinary ones and edge cases.
     rtol, atol : float
-        Tolerances of :func:`numpy.isclose`; a case may override them.
+        Tolerances of ``numpy.isclose``; a case may override them.
     name : str, optional
         Name used in the message; by default ``user_fn.__name__``.
     check_dtype : bool
@@ -304,7 +304,7 @@ def check(user_fn: Callable, reference_fn: Callable, cases: Sequence[Case], *,
 def glue(name: str, value: Any, display: bool = True) -> None:
     """Record ``value`` under ``name`` for the book's prose (MyST-NB ``glue``).
 
-    In the book build MyST-NB is installed and this is :func:`myst_nb.glue`; a book page
+    In the book build MyST-NB is installed and this is ``myst_nb.glue``; a book page
     then pastes the value with ``{glue:text}`` (see *How to use this book*). Where MyST-NB
     is not installed (for example in Colab) it only displays the value when ``display``
     is true, so the notebooks run anywhere with lnlib alone.

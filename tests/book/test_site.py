@@ -60,3 +60,14 @@ def test_colab_and_repository_buttons(html_dir):
     assert (f"https://colab.research.google.com/github/{repo}/blob/main/"
             "notebooks/00_introduction.ipynb") in html
     assert f'href="{url}"' in html
+
+
+def test_api_page_renders_the_docstrings(html_dir):
+    """autodoc output must be rendered, not shown as raw reST (which is what happens when
+    MyST reads an {autofunction} directive's output as Markdown)."""
+    import lnlib
+
+    html = (html_dir / "book" / "api.html").read_text(encoding="utf-8")
+    assert ".. py:function::" not in html and "processed by numpydoc" not in html
+    for name in lnlib.__all__:
+        assert f'id="lnlib.{name}"' in html, f"lnlib.{name} has no rendered entry on the API page"
