@@ -70,6 +70,16 @@ def run_chunks(m, n, chunk_fn, *, block_rows=None, threads=None, itemsize=4):
     return results
 
 
+def sum_chunks(parts):
+    """Add the per-chunk partial sums (tuples of arrays) in chunk order, so the result is
+    deterministic for a given split; returns one tuple of totals."""
+    totals = parts[0]  # fresh arrays of the first chunk, added into in place
+    for part in parts[1:]:
+        for total, a in zip(totals, part):
+            total += a
+    return totals
+
+
 def as_rows(x, k):
     """View (or, if the layout requires, copy) ``x`` as a matrix: one row per normalized slice."""
     n = int(np.prod(x.shape[x.ndim - k :]))

@@ -6,7 +6,7 @@ from . import _cpu_kernels as kernels
 from . import _validate as check
 from . import reference
 from ._backend import accumulation_dtype, get_array_module
-from ._rows import as_rows, load_block, run_chunks
+from ._rows import as_rows, load_block, run_chunks, sum_chunks
 
 __all__ = ["layer_norm", "layer_norm_forward", "layer_norm_backward"]
 
@@ -276,11 +276,7 @@ def _backward_numpy(dy, x, mean, rstd, weight, *, block_rows=None, threads=None)
         return dweight, dbias
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
-    dweight, dbias = parts[0]
-    for dw, db in parts[1:]:
-        dweight += dw
-        dbias += db
-    return dx, dweight, dbias
+    return (dx, *sum_chunks(parts))
 
 
 def _forward_kernel(x, weight, bias, eps, *, threads=None):
@@ -321,8 +317,4 @@ def _backward_kernel(dy, x, mean, rstd, weight, *, threads=None):
         return dweight, dbias
 
     parts = run_chunks(m, n, chunk, block_rows=1, threads=threads)
-    dweight, dbias = parts[0]
-    for dw, db in parts[1:]:
-        dweight += dw
-        dbias += db
-    return dx, dweight, dbias
+    return (dx, *sum_chunks(parts))

@@ -6,7 +6,7 @@ from . import _cpu_kernels as kernels
 from . import _validate as check
 from . import reference
 from ._backend import accumulation_dtype, get_array_module
-from ._rows import as_rows, load_block, run_chunks
+from ._rows import as_rows, load_block, run_chunks, sum_chunks
 from .layer_norm import _flat
 
 __all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
@@ -193,13 +193,10 @@ def _backward_numpy(dy, x, rstd, weight, *, block_rows=None, threads=None):
             np.subtract(out, d, out=out)
             if dx.dtype != acc:
                 np.copyto(dx[i:j], out, casting="same_kind")
-        return dweight
+        return (dweight,)
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
-    dweight = parts[0]
-    for dw in parts[1:]:
-        dweight += dw
-    return dx, dweight
+    return (dx, *sum_chunks(parts))
 
 
 def _forward_kernel(x, weight, eps, *, threads=None):
@@ -236,10 +233,7 @@ def _backward_kernel(dy, x, rstd, weight, *, threads=None):
             fn(kernels.ptr(dy, start), kernels.ld(dy), kernels.ptr(x, start), kernels.ld(x),
                kernels.ptr(rstd, start), kernels.ptr(weight), kernels.ptr(dx, start), n,
                kernels.ptr(dweight), stop - start, n)
-        return dweight
+        return (dweight,)
 
     parts = run_chunks(m, n, chunk, block_rows=1, threads=threads)
-    dweight = parts[0]
-    for dw in parts[1:]:
-        dweight += dw
-    return dx, dweight
+    return (dx, *sum_chunks(parts))
