@@ -10,10 +10,12 @@ import numpy as np
 from .ada_norm import (ada_layer_norm_backward, ada_layer_norm_forward, adaln_modulation,
                        adaln_modulation_backward, adaln_zero_init)
 from .batch_norm import batch_norm_backward, batch_norm_forward
+from .dynamic_tanh import dynamic_tanh, dynamic_tanh_backward
+from .group_norm import group_norm_backward, group_norm_forward
 from .layer_norm import layer_norm_backward, layer_norm_forward
 from .rms_norm import rms_norm_backward, rms_norm_forward
 
-__all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm"]
+__all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh"]
 
 
 def _shape(normalized_shape):
@@ -213,6 +215,98 @@ class BatchNorm(_Saved):
     def backward(self, dy):
         x, mean, rstd, training = self._take()
         dx, dweight, dbias = batch_norm_backward(dy, x, mean, rstd, self.weight, training=training)
+        self.dweight = dweight if self.weight is not None else None
+        self.dbias = dbias if self.bias is not None else None
+        return dx
+
+    __call__ = forward
+
+
+class GroupNorm(_Saved):
+    """GroupNorm over (N, C, ...) with a per-channel weight and bias, like ``torch.nn.GroupNorm``.
+
+    Parameters
+    ----------
+    num_groups : int
+        G, a divisor of ``num_channels``.
+    num_channels : int
+        C.
+    eps : float, default 1e-5
+    affine : bool, default True
+        Whether to hold a weight (ones) and a bias (zeros) of shape (C,).
+    dtype : dtype, default float32
+
+    Attributes
+    ----------
+    weight, bias : ndarray or None
+    dweight, dbias : ndarray or None
+        Gradients from the last :meth:`backward`.
+    """
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
+        self.num_groups, self.num_channels, self.eps = int(num_groups), int(num_channels), eps
+        if self.num_groups < 1 or self.num_channels % self.num_groups:
+            raise ValueError(f"num_groups must be >= 1 and divide num_channels = "
+                             f"{self.num_channels}, got {num_groups}")
+        self.weight = np.ones(self.num_channels, dtype) if affine else None
+        self.bias = np.zeros(self.num_channels, dtype) if affine else None
+        self.dweight = self.dbias = None
+
+    def forward(self, x):
+        y, mean, rstd = group_norm_forward(x, self.num_groups, self.weight, self.bias, eps=self.eps)
+        self._saved = (x, mean, rstd)
+        return y
+
+    def backward(self, dy):
+        x, mean, rstd = self._take()
+        dx, dweight, dbias = group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight)
+        self.dweight = dweight if self.weight is not None else None
+        self.dbias = dbias if self.bias is not None else None
+        return dx
+
+    __call__ = forward
+
+
+class DynamicTanh(_Saved):
+    """Dynamic Tanh, ``y = weight * tanh(alpha * x) + bias`` over the last axis (DyT).
+
+    Parameters
+    ----------
+    normalized_shape : int or 1-tuple of int
+        D, the size of the last axis of ``x``.
+    alpha_init : float, default 0.5
+        Initial value of the scalar ``alpha`` (the DyT paper's default).
+    elementwise_affine : bool, default True
+        Whether to hold a weight (ones) and a bias (zeros) of shape (D,).
+    dtype : dtype, default float32
+
+    Attributes
+    ----------
+    alpha : ndarray, 0-d
+    weight, bias : ndarray or None
+    dalpha, dweight, dbias : ndarray or None
+        Gradients from the last :meth:`backward`.
+    """
+
+    def __init__(self, normalized_shape, alpha_init=0.5, elementwise_affine=True,
+                 dtype=np.float32):
+        self.normalized_shape = _shape(normalized_shape)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(
+                f"normalized_shape must be one size (the last axis), got {normalized_shape}")
+        self.alpha = np.array(alpha_init, dtype=dtype)
+        self.weight = np.ones(self.normalized_shape, dtype) if elementwise_affine else None
+        self.bias = np.zeros(self.normalized_shape, dtype) if elementwise_affine else None
+        self.dalpha = self.dweight = self.dbias = None
+
+    def forward(self, x):
+        y = dynamic_tanh(x, self.alpha, self.weight, self.bias)
+        self._saved = (x,)
+        return y
+
+    def backward(self, dy):
+        (x,) = self._take()
+        dx, self.dalpha, dweight, dbias = dynamic_tanh_backward(dy, x, self.alpha, self.weight)
         self.dweight = dweight if self.weight is not None else None
         self.dbias = dbias if self.bias is not None else None
         return dx

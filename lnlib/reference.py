@@ -153,3 +153,63 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     dbias = dya.sum(axis=axes).astype(pdtype)
     return dx.astype(x.dtype), dweight, dbias
 
+
+def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
+    """GroupNorm forward over (N, C, ...): LayerNorm of each group of C/G channels (and every
+    spatial position), then a per-channel gain and bias; returns (y, mean, rstd), (N, G) each."""
+    n, c, g = x.shape[0], x.shape[1], num_groups
+    xa = x.astype(accumulation_dtype(x.dtype)).reshape(n, g, -1)  # (N, G, D)
+    mean = xa.mean(axis=2)
+    xc = xa - mean[:, :, None]
+    rstd = 1 / ((xc * xc).mean(axis=2) + eps) ** 0.5  # biased variance, two passes
+    y = (xc * rstd[:, :, None]).reshape(n, c, -1)  # (N, C, L)
+    if weight is not None:
+        y = y * weight.astype(xa.dtype)[:, None]
+    if bias is not None:
+        y = y + bias.astype(xa.dtype)[:, None]
+    return y.reshape(x.shape).astype(x.dtype), mean, rstd
+
+
+def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
+    """GroupNorm backward: the LayerNorm backward on each group, with g = dy * weight[c]."""
+    n, c, g = x.shape[0], x.shape[1], num_groups
+    acc = accumulation_dtype(x.dtype)
+    mean, rstd = mean.astype(acc)[:, :, None], rstd.astype(acc)[:, :, None]
+    xhat = (x.astype(acc).reshape(n, g, -1) - mean) * rstd  # (N, G, D)
+    dya = dy.astype(acc).reshape(n, c, -1)  # (N, C, L)
+    gs = dya if weight is None else dya * weight.astype(acc)[:, None]
+    gs = gs.reshape(n, g, -1)
+    dx = rstd * (gs - gs.mean(axis=2, keepdims=True)
+                 - xhat * (gs * xhat).mean(axis=2, keepdims=True))
+    pdtype = x.dtype if weight is None else weight.dtype
+    dweight = (dya * xhat.reshape(n, c, -1)).sum(axis=(0, 2)).astype(pdtype)
+    dbias = dya.sum(axis=(0, 2)).astype(pdtype)
+    return dx.reshape(x.shape).astype(x.dtype), dweight, dbias
+
+
+def dynamic_tanh(x, alpha, weight=None, bias=None):
+    """Dynamic Tanh (DyT): y = weight * tanh(alpha * x) + bias, elementwise."""
+    xp = get_array_module(x=x)
+    acc = accumulation_dtype(x.dtype)
+    y = xp.tanh(x.astype(acc) * acc.type(float(alpha)))
+    if weight is not None:
+        y = y * weight.astype(acc)
+    if bias is not None:
+        y = y + bias.astype(acc)
+    return y.astype(x.dtype)
+
+
+def dynamic_tanh_backward(dy, x, alpha, weight=None):
+    """DyT backward: with t = tanh(alpha x) and g = dy * weight, dx = alpha g (1 - t^2),
+    dalpha = sum g x (1 - t^2), dweight = sum over rows dy t, dbias = sum over rows dy."""
+    xp = get_array_module(x=x)
+    acc = accumulation_dtype(x.dtype)
+    xa, dya = x.astype(acc), dy.astype(acc)
+    t = xp.tanh(xa * acc.type(float(alpha)))
+    g = dya if weight is None else dya * weight.astype(acc)
+    rows = tuple(range(x.ndim - 1))
+    pdtype = x.dtype if weight is None else weight.dtype
+    adtype = alpha.dtype if isinstance(alpha, xp.ndarray) else x.dtype
+    dalpha = xp.asarray((g * xa * (1 - t * t)).sum(), dtype=adtype)
+    return ((float(alpha) * g * (1 - t * t)).astype(x.dtype), dalpha,
+            (dya * t).sum(axis=rows).astype(pdtype), dya.sum(axis=rows).astype(pdtype))

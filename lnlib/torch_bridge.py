@@ -318,3 +318,212 @@ class RMSNorm(nn.Module):
     def extra_repr(self):
         return (f"{self.normalized_shape}, eps={self.eps}, "
                 f"elementwise_affine={self.elementwise_affine}")
+
+
+# ------------------------------------------------------------- GroupNorm and Dynamic Tanh
+
+__all__ += ["GroupNormFunction", "DynamicTanhFunction", "group_norm", "dynamic_tanh",
+            "GroupNorm", "DynamicTanh"]
+
+
+def _stat_tensor(a):
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+
+
+class GroupNormFunction(torch.autograd.Function):
+    r"""Autograd function for GroupNorm whose forward and backward are lnlib's.
+
+    ``GroupNormFunction.apply(x, num_groups, weight, bias, eps)`` computes
+    :func:`lnlib.group_norm_forward` and saves ``x``, ``mean`` and ``rstd`` (shape (N, G))
+    for :func:`lnlib.group_norm_backward`. ``weight`` and ``bias`` may be ``None``. Not twice
+    differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, num_groups, weight, bias, eps):
+        y, mean, rstd = lnlib.group_norm_forward(
+            _to_array(x), num_groups, _to_array(weight), _to_array(bias), eps=eps)
+        mean_t, rstd_t = _stat_tensor(mean), _stat_tensor(rstd)
+        ctx.save_for_backward(x, weight, mean_t, rstd_t)
+        ctx.num_groups, ctx.has_bias = num_groups, bias is not None
+        ctx.mark_non_differentiable(mean_t, rstd_t)
+        return _to_tensor(y, x), mean_t, rstd_t
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, _dmean, _drstd):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias = lnlib.group_norm_backward(
+            _to_array(dy), _to_array(x), _to_array(mean), _to_array(rstd), ctx.num_groups,
+            _to_array(weight))
+        grads = [None] * 5
+        if ctx.needs_input_grad[0]:
+            grads[0] = _to_tensor(dx, x)
+        if weight is not None and ctx.needs_input_grad[2]:
+            grads[2] = _to_tensor(dweight, weight)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grads[3] = _to_tensor(dbias, weight if weight is not None else x)
+        return tuple(grads)
+
+
+class DynamicTanhFunction(torch.autograd.Function):
+    r"""Autograd function for Dynamic Tanh whose forward and backward are lnlib's.
+
+    ``DynamicTanhFunction.apply(x, alpha, weight, bias)`` computes
+    :math:`y = \gamma \odot \tanh(\alpha x) + \beta` with :func:`lnlib.dynamic_tanh`;
+    ``alpha`` is a 0-d tensor; ``weight`` and ``bias`` may be ``None``. Not twice
+    differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, alpha, weight, bias):
+        y = lnlib.dynamic_tanh(_to_array(x), _to_array(alpha), _to_array(weight),
+                               _to_array(bias))
+        ctx.save_for_backward(x, alpha, weight)
+        ctx.has_bias = bias is not None
+        return _to_tensor(y, x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, alpha, weight = ctx.saved_tensors
+        dx, dalpha, dweight, dbias = lnlib.dynamic_tanh_backward(
+            _to_array(dy), _to_array(x), _to_array(alpha), _to_array(weight))
+        grads = [None] * 4
+        if ctx.needs_input_grad[0]:
+            grads[0] = _to_tensor(dx, x)
+        if ctx.needs_input_grad[1]:
+            grads[1] = _to_tensor(dalpha, alpha)
+        if weight is not None and ctx.needs_input_grad[2]:
+            grads[2] = _to_tensor(dweight, weight)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grads[3] = _to_tensor(dbias, weight if weight is not None else x)
+        return tuple(grads)
+
+
+def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
+    r"""GroupNorm of a tensor through lnlib, like ``torch.nn.functional.group_norm``.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape ``(N, C, *spatial)``, float16/bfloat16/float32/float64
+    num_groups : int
+        A divisor of C.
+    weight, bias : torch.Tensor of shape (C,) or None
+    eps : float
+
+    Returns
+    -------
+    torch.Tensor
+        Shape and dtype of ``x``; differentiable with respect to ``x``, ``weight``, ``bias``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`lnlib.group_norm_forward`.
+
+    Book: Chapter 4, "The family by axes".
+    """
+    _check_tensor("x", x)
+    y, _, _ = GroupNormFunction.apply(x, num_groups, weight, bias, float(eps))
+    return y
+
+
+def dynamic_tanh(x, alpha, weight=None, bias=None):
+    r"""Dynamic Tanh of a tensor through lnlib: ``weight * tanh(alpha * x) + bias``.
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape ``(..., D)``
+    alpha : torch.Tensor (0-d) or float
+        A float is a constant (no gradient).
+    weight, bias : torch.Tensor of shape (D,) or None
+
+    Returns
+    -------
+    torch.Tensor
+        Shape and dtype of ``x``; differentiable with respect to ``x``, ``alpha`` (a tensor),
+        ``weight`` and ``bias``.
+
+    Book: Chapter 4, "Without normalization".
+    """
+    _check_tensor("x", x)
+    if not isinstance(alpha, torch.Tensor):
+        alpha = torch.tensor(float(alpha), dtype=x.dtype, device=x.device)
+    return DynamicTanhFunction.apply(x, alpha, weight, bias)
+
+
+class GroupNorm(nn.Module):
+    r"""Drop-in for ``torch.nn.GroupNorm`` computed by lnlib.
+
+    Parameters
+    ----------
+    num_groups, num_channels : int
+    eps : float, default 1e-5
+    affine : bool, default True
+        Learn a per-channel ``weight`` (ones) and ``bias`` (zeros).
+    device, dtype
+        As for the parameters of ``torch.nn.GroupNorm``.
+
+    Book: Chapter 4, "The family by axes".
+    """
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None,
+                 dtype=None):
+        super().__init__()
+        if num_channels % num_groups:
+            raise ValueError(f"num_groups must divide num_channels = {num_channels}, "
+                             f"got {num_groups}")
+        self.num_groups, self.num_channels, self.eps = num_groups, num_channels, eps
+        self.affine = affine
+        factory = {"device": device, "dtype": dtype}
+        if affine:
+            self.weight = nn.Parameter(torch.ones(num_channels, **factory))
+            self.bias = nn.Parameter(torch.zeros(num_channels, **factory))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
+
+
+class DynamicTanh(nn.Module):
+    r"""Dynamic Tanh layer (DyT), a drop-in for a LayerNorm over the last axis.
+
+    Parameters
+    ----------
+    normalized_shape : int
+        D, the size of the last axis.
+    alpha_init_value : float, default 0.5
+        Initial value of the learned scalar ``alpha``.
+    elementwise_affine : bool, default True
+        Learn ``weight`` (ones) and ``bias`` (zeros) of shape (D,).
+    device, dtype
+        For the parameters.
+
+    Book: Chapter 4, "Without normalization".
+    """
+
+    def __init__(self, normalized_shape, alpha_init_value=0.5, elementwise_affine=True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = _normalized_shape(normalized_shape)
+        factory = {"device": device, "dtype": dtype}
+        self.alpha = nn.Parameter(torch.tensor(float(alpha_init_value), **factory))
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory))
+            self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        return dynamic_tanh(x, self.alpha, self.weight, self.bias)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, elementwise_affine={self.elementwise_affine}"

@@ -1,0 +1,212 @@
+r"""Group normalization (Wu and He, 2018): forward and backward.
+
+GroupNorm splits the C channels of each example into G groups and normalizes each group over its
+C/G channels and every spatial position. Laid out as rows, one row per (example, group), that is
+exactly LayerNorm without an affine map, followed by a per-channel gain and bias; the public
+functions here compute it that way, through :func:`lnlib.layer_norm_forward` and
+:func:`lnlib.layer_norm_backward`, so that GroupNorm inherits their accuracy (corrected two-pass
+statistics) and their bitwise batch invariance.
+"""
+
+import numbers
+
+import numpy as np
+
+from . import _validate as check
+from ._backend import accumulation_dtype, get_array_module
+from .layer_norm import layer_norm_backward, layer_norm_forward
+
+__all__ = ["group_norm", "group_norm_backward", "group_norm_forward"]
+
+
+def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5):
+    r"""Group normalization of ``x`` (N, C, ...); returns ``y`` only.
+
+    Same as ``group_norm_forward(...)[0]``; see :func:`group_norm_forward`.
+    """
+    return group_norm_forward(x, num_groups, weight, bias, eps=eps)[0]
+
+
+def _check_groups(x, num_groups):
+    """Check ``x`` is (N, C, ...) with C divisible by ``num_groups``; return G as an int."""
+    if x.ndim < 2:
+        raise ValueError(f"x must have shape (N, C, ...) with at least 2 axes, got {x.shape}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
+        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    g, c = int(num_groups), x.shape[1]
+    if g < 1:
+        raise ValueError(f"num_groups must be >= 1, got {g}")
+    if c % g:
+        raise ValueError(
+            f"num_groups must divide the number of channels C = x.shape[1] = {c}, got {g}")
+    if 0 in x.shape[1:]:
+        raise ValueError(f"x has no values to normalize in a group: shape {x.shape}")
+    return g
+
+
+def _channel_param(a, name, x, xp):
+    """An optional per-channel parameter (weight, bias): ``None`` or shape (C,)."""
+    if a is None:
+        return None
+    a = check.float_array(a, name, xp)
+    if a.shape != (x.shape[1],):
+        raise ValueError(
+            f"{name} must have shape ({x.shape[1]},) (one value per channel of x), got {a.shape}")
+    return a
+
+
+def _stat(s, name, shape, xp):
+    """A saved statistic (mean, rstd) of shape (N, G)."""
+    s = check.float_array(s, name, xp)
+    if s.shape != shape:
+        raise ValueError(f"{name} must have shape (N, G) = {shape}, got {s.shape}")
+    return s
+
+
+def _rows(a, num_groups, dtype):
+    """``a`` (N, C, ...) as rows (N * G, C/G * spatial) in ``dtype`` (a view when possible)."""
+    return a.astype(dtype, copy=False).reshape(a.shape[0] * num_groups, -1)
+
+
+def _per_channel(p, x, dtype):
+    """A (C,) parameter shaped (C, 1) to broadcast against ``x`` viewed as (N, C, L)."""
+    return p.astype(dtype, copy=False).reshape(x.shape[1], 1)
+
+
+def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
+    r"""GroupNorm forward pass, like ``torch.nn.functional.group_norm``.
+
+    For ``x`` of shape ``(N, C, *spatial)`` and G groups, group :math:`j` of example :math:`b`
+    holds channels :math:`jC/G, \dots, (j+1)C/G - 1` at every spatial position, :math:`D =
+    (C/G)\prod \mathrm{spatial}` values; with its mean :math:`\mu_{bj}` and biased variance
+    :math:`\sigma_{bj}^2`,
+
+    .. math::
+
+        r_{bj} = (\sigma_{bj}^2 + \epsilon)^{-1/2}, \qquad
+        y_{bc\cdot} = (x_{bc\cdot} - \mu_{bj})\, r_{bj}\, \gamma_c + \beta_c
+        \quad (c \text{ in group } j).
+
+    ``num_groups = C`` is InstanceNorm; ``num_groups = 1`` is LayerNorm over ``(C, *spatial)``
+    except that the gain and bias are per channel (shape (C,)), not per element.
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+        Input; never modified; any strides are accepted.
+    num_groups : int
+        G, a divisor of C.
+    weight, bias : ndarray of shape (C,), optional
+        Per-channel gain :math:`\gamma` and bias :math:`\beta` (default 1 and 0).
+    eps : float, default 1e-5
+        Added to the variance inside the square root; finite and >= 0.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+    mean, rstd : ndarray, shape (N, G)
+        :math:`\mu` and :math:`r` of each group, float32 for float16/float32 ``x``, float64
+        for float64.
+
+    Raises
+    ------
+    TypeError
+        A non-floating array, ``num_groups`` not an int, or arrays from different array
+        libraries.
+    ValueError
+        ``x`` with fewer than 2 axes or an empty group; ``num_groups`` < 1 or not dividing C;
+        ``weight``/``bias`` not of shape (C,); ``eps`` negative or not finite.
+
+    Notes
+    -----
+    Statistics are computed by :func:`lnlib.layer_norm_forward` on the rows (corrected
+    two-pass, accumulated in float32 for float16/float32 and float64 for float64), so each
+    example's result is bitwise independent of the other examples in the batch. Covered in
+    the book, chapter "Variants", section "The family by axes".
+
+    References
+    ----------
+    Y. Wu and K. He, "Group Normalization", ECCV 2018.
+    """
+    xp = get_array_module(x=x, weight=weight, bias=bias)
+    x = check.float_array(x, "x", xp)
+    g = _check_groups(x, num_groups)
+    weight = _channel_param(weight, "weight", x, xp)
+    bias = _channel_param(bias, "bias", x, xp)
+    eps = check.eps_value(eps)
+    n, c = x.shape[:2]
+    acc = accumulation_dtype(x.dtype)
+    xhat, mean, rstd = layer_norm_forward(_rows(x, g, acc), eps=eps)  # (N*G, D), float acc
+    y = xhat.reshape(n, c, -1)  # (N, C, L): a fresh array, scaled in place
+    if weight is not None:
+        y *= _per_channel(weight, x, acc)
+    if bias is not None:
+        y += _per_channel(bias, x, acc)
+    return y.reshape(x.shape).astype(x.dtype, copy=False), mean.reshape(n, g), rstd.reshape(n, g)
+
+
+def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
+    r"""GroupNorm backward pass.
+
+    With :math:`g = dy\,\gamma_c` and :math:`\hat{x} = (x - \mu_{bj})\,r_{bj}`, each group of
+    each example is a LayerNorm row, so
+
+    .. math::
+
+        dx = r_{bj}\,\big(g - \overline{g} - \hat{x}\;\overline{g\hat{x}}\big), \qquad
+        d\gamma_c = \sum_{b,\ \text{spatial}} dy\,\hat{x}, \qquad
+        d\beta_c = \sum_{b,\ \text{spatial}} dy,
+
+    where a bar is the mean over the group's :math:`D` values.
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+        The forward input.
+    mean, rstd : ndarray, shape (N, G)
+        As returned by :func:`group_norm_forward`; used in the accumulation dtype of ``x``.
+    num_groups : int
+        G, as in the forward.
+    weight : ndarray of shape (C,), optional
+        The forward gain; ``None`` means ones.
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+    dweight, dbias : ndarray, shape (C,)
+        Dtype of ``weight``, or of ``x`` when ``weight`` is None (then the gradients with
+        respect to a gain of ones and a bias of zeros).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`group_norm_forward`; also ``dy`` not shaped like ``x`` and ``mean`` or
+        ``rstd`` not of shape (N, G).
+
+    Notes
+    -----
+    Derived in the book, chapter "Variants", section "The family by axes".
+    """
+    xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
+    x = check.float_array(x, "x", xp)
+    dy = check.float_array(dy, "dy", xp)
+    check.same_shape(dy, "dy", x)
+    g = _check_groups(x, num_groups)
+    n, c = x.shape[:2]
+    mean, rstd = (_stat(s, name, (n, g), xp) for s, name in ((mean, "mean"), (rstd, "rstd")))
+    weight = _channel_param(weight, "weight", x, xp)
+    acc = accumulation_dtype(x.dtype)
+    # the accumulation dtype is that of x, whatever dtype the statistics were saved in
+    mean, rstd = (s.astype(acc, copy=False).reshape(-1) for s in (mean, rstd))
+    dya = dy.astype(acc, copy=False).reshape(n, c, -1)  # (N, C, L)
+    gs = dya if weight is None else dya * _per_channel(weight, x, acc)
+    dx = layer_norm_backward(gs.reshape(n * g, -1), _rows(x, g, acc), mean, rstd)[0]
+    xhat = (_rows(x, g, acc) - mean[:, None]) * rstd[:, None]  # (N*G, D)
+    # per (example, channel) sums along the contiguous axis, then over examples in float64
+    dweight = (dya * xhat.reshape(n, c, -1)).sum(axis=2).sum(axis=0, dtype=np.float64)
+    dbias = dya.sum(axis=2).sum(axis=0, dtype=np.float64)
+    pdtype = x.dtype if weight is None else weight.dtype
+    dx = dx.reshape(x.shape).astype(x.dtype, copy=False)
+    return dx, dweight.astype(pdtype), dbias.astype(pdtype)
