@@ -5,8 +5,8 @@ cache folder (``$LNLIB_CACHE_DIR``, else ``$XDG_CACHE_HOME/lnlib`` or ``~/.cache
 a name that hashes the source and the flags, so an edited kernel is rebuilt and an unchanged
 one is reused. ``import lnlib`` compiles nothing.
 
-Without a compiler (or with ``LNLIB_CPU_KERNEL=0`` in the environment) the NumPy fast paths
-are used instead; :func:`info` says which one runs and why. Both give results that agree to
+Without a compiler the NumPy fast paths are used instead (``LNLIB_CPU_KERNEL=0`` is read by
+the selection point, :mod:`lnlib._backend`); :func:`info` says whether the kernel loaded and why. Both give results that agree to
 rounding; each is bitwise batch invariant on its own.
 """
 
@@ -88,20 +88,18 @@ def library():
     with _lock:
         if _state["tried"]:
             return _state["lib"]
-        if os.environ.get("LNLIB_CPU_KERNEL", "1") == "0":
-            _state["reason"] = "disabled by LNLIB_CPU_KERNEL=0"
-        else:
-            try:
-                path = _build()
-                lib = ctypes.CDLL(str(path))
-                for name, argtypes in _SIGNATURES.items():
-                    for suffix in ("f32", "f64"):
-                        fn = getattr(lib, f"{name}_{suffix}")
-                        fn.argtypes, fn.restype = argtypes, None
-                _state.update(lib=lib, path=str(path), reason="compiled kernel loaded")
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = getattr(exc, "stderr", "") or str(exc)
-                _state["reason"] = f"compiled kernel unavailable ({detail.strip()[:300]}); using NumPy"
+        # LNLIB_CPU_KERNEL is read by the selection point, lnlib._backend.
+        try:
+            path = _build()
+            lib = ctypes.CDLL(str(path))
+            for name, argtypes in _SIGNATURES.items():
+                for suffix in ("f32", "f64"):
+                    fn = getattr(lib, f"{name}_{suffix}")
+                    fn.argtypes, fn.restype = argtypes, None
+            _state.update(lib=lib, path=str(path), reason="compiled kernel loaded")
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            _state["reason"] = f"compiled kernel unavailable ({detail.strip()[:300]}); using NumPy"
         _state["tried"] = True
         return _state["lib"]
 
@@ -114,11 +112,14 @@ def info():
 
 @contextlib.contextmanager
 def disabled():
-    """Within this context the NumPy fast paths run even where the kernel is available (tests)."""
+    """Deprecated: use ``lnlib.use_implementation("numpy")``, which this now enters."""
+    from ._backend import use_implementation
+
     before = _state["enabled"]
     _state["enabled"] = False
     try:
-        yield
+        with use_implementation("numpy"):
+            yield
     finally:
         _state["enabled"] = before
 

@@ -86,6 +86,33 @@ def as_rows(x, k):
     return x.reshape(-1, n)
 
 
+def param_row(param, dtype, offset=0.0):
+    """A per-feature parameter as a flat ``(D,)`` vector in ``dtype``, plus ``offset``.
+
+    ``None`` stays ``None``. With a nonzero ``offset`` the result is a new array
+    ``offset + param`` (the scale of a zero-centred gain); otherwise it may be a view.
+    """
+    if param is None:
+        return None
+    row = param.reshape(-1).astype(dtype, copy=False)
+    return row + dtype.type(offset) if offset else row
+
+
+def sum_to_shape(a, shape, dtype=None):
+    """Sum the axes along which an array of ``shape`` was broadcast to ``a.shape`` away.
+
+    Returns a new array of ``shape`` (never ``a`` itself), summed in ``dtype`` (default: the
+    dtype of ``a``) without a converted copy of ``a``.
+    """
+    shape = tuple(shape)
+    lead = a.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and a.shape[lead + i] != 1)
+    if not axes:
+        return a.astype(a.dtype if dtype is None else dtype, copy=True)
+    return a.sum(axis=axes, dtype=dtype).reshape(shape)
+
+
 def contiguous_rows(a):
     """True if the 2-d array ``a`` has contiguous rows laid out forwards in memory.
 

@@ -16,6 +16,9 @@ def float_array(a, name, xp):
 
     Array-likes (lists, scalars) are converted; arrays are returned as they are, never copied.
     """
+    if isinstance(a, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array: lnlib ignores no mask silently; pass "
+                        f"{name}.filled(value) or the unmasked values instead")
     if not isinstance(a, xp.ndarray):
         try:
             a = xp.asarray(a)
@@ -42,10 +45,31 @@ def eps_value(eps):
     """Return ``eps`` as a float after checking it is a finite number >= 0."""
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
-    eps = float(eps)
+    try:
+        eps = float(eps)
+    except OverflowError:
+        raise ValueError(f"eps must be finite and >= 0, got an integer of {len(str(abs(eps)))} "
+                         "digits, too large for a float") from None
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return eps
+
+
+def weight_offset_value(offset, weight):
+    """Return ``weight_offset`` as a float: finite, and 0 unless there is a ``weight``."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise TypeError(f"weight_offset must be a real number, got {type(offset).__name__}")
+    try:
+        offset = float(offset)
+    except OverflowError:
+        raise ValueError("weight_offset must be finite, got an integer too large for a float") \
+            from None
+    if not math.isfinite(offset):
+        raise ValueError(f"weight_offset must be finite, got {offset}")
+    if offset and weight is None:
+        raise ValueError(f"weight_offset={offset} needs a weight: the scale is weight_offset + "
+                         "weight, and weight is None (pass a weight, e.g. zeros)")
+    return offset
 
 
 def normalized_ndim_value(x, normalized_ndim):

@@ -15,10 +15,8 @@ identity on its residual branch, because the gate that multiplies the branch is 
 import numpy as np
 
 from . import _validate as check
-from . import reference
-from ._backend import accumulation_dtype, get_array_module
-from ._rows import as_rows
-from .layer_norm import _backward_numpy, _forward_numpy
+from ._backend import accumulation_dtype, get_array_module, select
+from ._rows import as_rows, sum_to_shape
 
 __all__ = [
     "ada_layer_norm",
@@ -94,16 +92,13 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
     x, shift, scale = _inputs(x, shift, scale, xp)
     eps = check.eps_value(eps)
     k = check.normalized_ndim_value(x, normalized_ndim)
-    if xp is not np:
-        return reference.ada_layer_norm_forward(x, shift, scale, eps=eps, normalized_ndim=k)
-    acc = accumulation_dtype(x.dtype)
-    xa = x.astype(acc, copy=False)
-    xhat, mean, rstd = _forward_numpy(as_rows(xa, k), None, None, eps)
-    xhat = xhat.reshape(x.shape)
-    xhat *= 1 + scale.astype(acc, copy=False)
-    xhat += shift.astype(acc, copy=False)
-    lead = x.shape[: x.ndim - k]
-    return xhat.astype(x.dtype, copy=False), mean.reshape(lead), rstd.reshape(lead)
+    forward_rows = select("layer_norm_forward", xp, x.dtype)
+    acc, lead = accumulation_dtype(x.dtype), x.shape[: x.ndim - k]
+    xhat, mean, rstd = forward_rows(as_rows(x, k), None, None, eps=eps)
+    y = xhat.reshape(x.shape)  # modulated in place, in the accumulation dtype per element
+    xp.multiply(y, 1 + scale.astype(acc, copy=False), out=y, casting="same_kind")
+    xp.add(y, shift.astype(acc, copy=False), out=y, casting="same_kind")
+    return y, mean.reshape(lead), rstd.reshape(lead)
 
 
 def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
@@ -144,16 +139,51 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     check.broadcast_modulation(scale, "scale", x)
     shift_shape = scale.shape if shift_shape is None else tuple(shift_shape)
     check.broadcast_modulation(np.empty(shift_shape, dtype=np.int8), "shift_shape", x)
-    if xp is not np:
-        return reference.ada_layer_norm_backward(dy, x, mean, rstd, scale, shift_shape=shift_shape)
-    acc = mean.dtype
-    dya = dy.astype(acc, copy=False)
-    g = dya * (1 + scale.astype(acc, copy=False))
-    dx, _, _ = _backward_numpy(as_rows(g, k), as_rows(x, k), mean.reshape(-1), rstd.reshape(-1), None)
-    xhat = (x.astype(acc) - mean.reshape(mean.shape + (1,) * k)) * rstd.reshape(rstd.shape + (1,) * k)
-    dshift = reference._sum_to_shape(dya, shift_shape).astype(scale.dtype, copy=False)
-    dscale = reference._sum_to_shape(dya * xhat, scale.shape).astype(scale.dtype, copy=False)
+    backward_rows = select("layer_norm_backward", xp, x.dtype)
+    acc = accumulation_dtype(x.dtype)
+    mean, rstd = mean.astype(acc, copy=False), rstd.astype(acc, copy=False)
+    g = xp.empty_like(x)  # dy (1 + scale), in the dtype of x like the dy of LayerNorm
+    xp.multiply(dy, 1 + scale.astype(acc, copy=False), out=g, casting="same_kind")
+    dx = backward_rows(as_rows(g, k), as_rows(x, k), mean.reshape(-1), rstd.reshape(-1),
+                       None)[0]
+    del g
+    dshift = sum_to_shape(dy, shift_shape, acc).astype(scale.dtype, copy=False)
+    dscale = _sum_dy_xhat(dy, x, mean, rstd, scale.shape, acc).reshape(scale.shape)
+    dscale = dscale.astype(scale.dtype, copy=False)
     return dx.reshape(x.shape), dshift, dscale
+
+
+#: Elements of one temporary block of dy * xhat in the AdaLN backward.
+_BLOCK = 1 << 18
+
+
+def _sum_dy_xhat(dy, x, mean, rstd, shape, acc):
+    """``sum_to_shape(dy * xhat, shape)``, with temporaries of at most ``_BLOCK`` elements.
+
+    Splits the first axis into blocks (recursing into one index of it when a single index is
+    still too large), so the peak memory does not grow with the input.
+    """
+    shape = (1,) * (x.ndim - len(shape)) + tuple(shape)
+    if x.size <= _BLOCK or mean.ndim == 0:
+        xhat = x.astype(acc)  # (*lead, *norm)
+        k = x.ndim - mean.ndim
+        xhat -= mean.reshape(mean.shape + (1,) * k)
+        xhat *= rstd.reshape(rstd.shape + (1,) * k)
+        xhat *= dy
+        return sum_to_shape(xhat, shape, acc)
+    rows = max(1, _BLOCK // (x.size // x.shape[0]))
+    parts = []
+    for i in range(0, x.shape[0], rows):
+        j = min(i + rows, x.shape[0])
+        if rows == 1:
+            part = _sum_dy_xhat(dy[i], x[i], mean[i], rstd[i], shape[1:], acc)[None]
+        else:
+            part = _sum_dy_xhat(dy[i:j], x[i:j], mean[i:j], rstd[i:j],
+                                (min(shape[0], j - i),) + shape[1:], acc)
+        parts.append(part)
+    if shape[0] == 1:
+        return sum(parts[1:], parts[0])
+    return get_array_module(x=x).concatenate(parts)
 
 
 def _silu(c):
