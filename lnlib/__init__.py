@@ -7,6 +7,7 @@ work, and never modifies its inputs (except BatchNorm's running statistics, by d
 Importing lnlib needs NumPy only; torch, CuPy and matplotlib are imported where they are used.
 """
 
+from ._backend import show_config, use_implementation
 from .ada_norm import (ada_layer_norm, ada_layer_norm_backward, ada_layer_norm_forward,
                        adaln_modulation, adaln_modulation_backward, adaln_zero_init)
 from .batch_norm import batch_norm, batch_norm_backward, batch_norm_forward
@@ -29,4 +30,5 @@ __all__ = [
     "dynamic_tanh", "dynamic_tanh_backward",
     "LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh",
     "numerical_grad", "check_grad",
+    "use_implementation", "show_config",
 ]

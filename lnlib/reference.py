@@ -9,6 +9,7 @@ results come back in the dtype of ``x`` (parameter gradients in the dtype of the
 """
 
 from ._backend import accumulation_dtype, get_array_module
+from ._rows import sum_to_shape
 
 
 def _last_axes(ndim, k):
@@ -77,14 +78,6 @@ def rms_norm_backward(dy, x, rstd, weight=None):
     return dx.astype(x.dtype), (dya * xhat).sum(axis=rows).astype(pdtype)
 
 
-def _sum_to_shape(a, shape):
-    """Sum the broadcast axes of ``a`` away so that the result has ``shape``."""
-    lead = a.ndim - len(shape)
-    a = a.sum(axis=tuple(range(lead))) if lead else a
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and a.shape[i] != 1)
-    return a.sum(axis=axes, keepdims=True) if axes else a
-
-
 def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
     """AdaLN forward (DiT modulation): y = LN(x) * (1 + scale) + shift; returns (y, mean, rstd)."""
     xhat, mean, rstd = layer_norm_forward(
@@ -102,8 +95,8 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     dya = dy.astype(acc)
     g = dya * (1 + scale.astype(acc))
     dx, _, _ = layer_norm_backward(g, x.astype(acc), mean, rstd)
-    dshift = _sum_to_shape(dya, scale.shape if shift_shape is None else shift_shape)
-    dscale = _sum_to_shape(dya * xhat, scale.shape)
+    dshift = sum_to_shape(dya, scale.shape if shift_shape is None else shift_shape)
+    dscale = sum_to_shape(dya * xhat, scale.shape)
     return dx.astype(x.dtype), dshift.astype(scale.dtype), dscale.astype(scale.dtype)
 
 
