@@ -159,9 +159,16 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0):
 
 # Transitional names for lnlib/bench.py and the chapter 5 notebook, until they select through
 # lnlib.use_implementation; nothing in lnlib uses them.
-from ._cpu import kernels as _kernels, numpy_rows as _numpy_rows  # noqa: E402
+_TRANSITIONAL = {"_forward_numpy": ("numpy_rows", "layer_norm_forward_rows"),
+                 "_backward_numpy": ("numpy_rows", "layer_norm_backward_rows"),
+                 "_forward_kernel": ("kernels", "layer_norm_forward_rows"),
+                 "_backward_kernel": ("kernels", "layer_norm_backward_rows")}
 
-_forward_numpy = _numpy_rows.layer_norm_forward_rows
-_backward_numpy = _numpy_rows.layer_norm_backward_rows
-_forward_kernel = _kernels.layer_norm_forward_rows
-_backward_kernel = _kernels.layer_norm_backward_rows
+
+def __getattr__(name):
+    if name not in _TRANSITIONAL:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attr = _TRANSITIONAL[name]
+    return getattr(importlib.import_module(f"lnlib._cpu.{module}"), attr)
