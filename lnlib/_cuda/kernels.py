@@ -1,0 +1,145 @@
+"""The CUDA kernels of ``lnlib/kernels/norms_cuda.cu``, compiled by CuPy at first use.
+
+The source is the header ``norms_cuda.cuh`` followed by ``norms_cuda.cu`` (pasted together here,
+so that CuPy's compile cache, keyed by the source text and the options, sees an edit of either
+file). Each (operation, dtype) pair is one ``cupy.RawModule`` with NVRTC name expressions for
+every launch shape it may need, compiled once per process on first use and cached on disk by
+CuPy. ``import lnlib`` and this module import no CuPy; only :func:`module` does.
+
+The launch shape (threads per row ``R`` and 16-byte vectors per thread ``MAXV``) is chosen from
+the row length and the dtype alone (:func:`launch_shape`), never from the number of rows, so a
+row's reduction order, and therefore its result, does not depend on the batch.
+
+Derived in the book, chapter "Implementation", section "GPU kernels".
+"""
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+HEADER = KERNEL_DIR / "norms_cuda.cuh"
+SOURCE = KERNEL_DIR / "norms_cuda.cu"
+
+#: Options lnlib adds to CuPy's own (which add ``-ftz=true``, ``-arch=sm_XX`` and include
+#: paths): C++17, and no contraction of a multiply and an add into one rounding, so each
+#: operation rounds as written (as ``-ffp-contract=off`` does for the CPU kernel).
+OPTIONS = ("--std=c++17", "--fmad=false")
+
+#: CUDA C++ name of the element type of each dtype the kernels are built for.
+TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "__half",
+              "bfloat16": "__nv_bfloat16"}
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+
+OPS = ("layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd")
+
+#: Threads per block are max(R, 128) (kernels' LNLIB_BLOCK).
+MIN_BLOCK = 128
+#: Grid size caps, in threads: enough blocks to fill any current GPU several times over. A
+#: constant, not the device's SM count, so parameter gradients group rows the same way on every
+#: GPU (they depend on the number of row groups; the row outputs never do).
+GRID_THREADS = {"fwd": 1 << 19, "bwd": 1 << 18}
+#: Long rows (several tiles) keep their partial parameter gradients in memory: at most this many
+#: elements per partial buffer.
+LONG_ROW_PARTIAL = 1 << 24
+
+_lock = threading.Lock()
+_modules = {}
+
+
+def source():
+    """The CUDA source CuPy compiles: the header pasted in place of its ``#include``."""
+    text = SOURCE.read_text()
+    include = '#include "norms_cuda.cuh"'
+    if include not in text:
+        raise RuntimeError(f"{SOURCE} no longer includes norms_cuda.cuh")
+    header = HEADER.read_text().replace("#pragma once\n", "", 1)
+    return text.replace(include, header, 1)
+
+
+def _dtype_name(dtype):
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in TYPE_NAMES:
+        raise TypeError(f"the CUDA kernels take float16, bfloat16, float32 or float64, not {name}")
+    return name
+
+
+def shapes(op, dtype):
+    """The launch shapes ``(R, MAXV)`` of ``op`` for ``dtype``, by growing row capacity.
+
+    Each thread holds at most 16 elements of a row tile (8 for float64), so that the backward's
+    four register arrays fit without spills; a warp per row for short rows, then 64, 128, ...
+    threads per row (1024 for the forward, 512 for the backward, whose threads hold more).
+    """
+    itemsize = ITEMSIZE[_dtype_name(dtype)]
+    vec = 16 // itemsize
+    maxv = 4 if itemsize == 8 else 16 // vec
+    rmax = 1024 if op.endswith("fwd") else 512
+    small = [(32, s) for s in (1, 2, 4, 8) if s < maxv]
+    return small + [(r, maxv) for r in (32, 64, 128, 256, 512, 1024) if r <= rmax]
+
+
+def launch_shape(op, dtype, d):
+    """``(R, MAXV, tiles)`` for rows of ``d`` elements: the first shape whose tile holds the
+    row, else the largest one, looping over ``tiles`` tiles. Depends on ``d`` and the dtype only."""
+    vec = 16 // ITEMSIZE[_dtype_name(dtype)]
+    chunks = -(-d // vec)
+    for r, maxv in shapes(op, dtype):
+        if chunks <= r * maxv:
+            return r, maxv, 1
+    return r, maxv, -(-chunks // (r * maxv))
+
+
+def kernel_name(op, dtype, r, maxv):
+    """The NVRTC name expression of one instantiation, e.g. ``layer_norm_fwd<float, 32, 1>``."""
+    return f"{op}<{TYPE_NAMES[_dtype_name(dtype)]}, {r}, {maxv}>"
+
+
+def sum_name(dtype):
+    """Name expression of the second-stage parameter-gradient sum for ``dtype``'s accumulator."""
+    return f"param_grad_sum<{'double' if _dtype_name(dtype) == 'float64' else 'float'}>"
+
+
+def name_expressions(op, dtype):
+    """Every kernel of the module for ``(op, dtype)``."""
+    names = [kernel_name(op, dtype, r, v) for r, v in shapes(op, dtype)]
+    return names + ([sum_name(dtype)] if op.endswith("bwd") else [])
+
+
+def all_name_expressions():
+    """Every kernel lnlib can launch, for every dtype, once (the compile test builds them all)."""
+    names = [n for op in OPS for dt in TYPE_NAMES for n in name_expressions(op, dt)]
+    return list(dict.fromkeys(names))
+
+
+def module(op, dtype):
+    """The compiled ``cupy.RawModule`` for ``(op, dtype)``: built once per process, then reused."""
+    key = (op, _dtype_name(dtype))
+    with _lock:
+        if key not in _modules:
+            import cupy
+
+            _modules[key] = cupy.RawModule(code=source(), options=OPTIONS,
+                                           name_expressions=name_expressions(*key))
+        return _modules[key]
+
+
+def function(op, dtype, r, maxv):
+    """The kernel ``op`` for ``dtype`` with launch shape ``(r, maxv)``."""
+    return module(op, dtype).get_function(kernel_name(op, dtype, r, maxv))
+
+
+def block_threads(r):
+    """Threads per block of a kernel with ``r`` threads per row."""
+    return max(r, MIN_BLOCK)
+
+
+def grid(kind, m, r, d=None, tiles=1):
+    """Blocks to launch for ``m`` rows; each block loops over rows (grid-stride)."""
+    block = block_threads(r)
+    rows_per_block = block // r
+    blocks = min(-(-m // rows_per_block), max(1, GRID_THREADS[kind] // block))
+    if kind == "bwd" and tiles > 1:
+        blocks = min(blocks, max(32, LONG_ROW_PARTIAL // d))
+    return max(1, blocks)

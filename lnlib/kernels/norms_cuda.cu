@@ -1,0 +1,279 @@
+// Fused LayerNorm and RMSNorm kernels, forward and backward, on a matrix of rows (m, d).
+//
+// Template arguments: T the element type (float, double, __half, __nv_bfloat16), R the threads
+// per row (32: a warp per row; up to 1024: a block per row) and MAXV the 16-byte vectors each
+// thread holds per row tile. lnlib/_cuda/kernels.py picks (R, MAXV) from d and T alone and
+// names the instantiation when it compiles the module (NVRTC name expressions).
+//
+// A row that fits in one tile (d <= R * MAXV * V) is read once into registers and written
+// once. Longer rows are processed tile by tile and read a second time to write the result.
+//
+// Row arguments: x points at row 0, ldx is the distance between rows in elements. vec_ok says
+// that every row pointer is 16-byte aligned and d is a multiple of V: then chunks are moved as
+// vectors, otherwise element by element, with the same arithmetic either way.
+#include "norms_cuda.cuh"
+
+using lnlib::Acc;
+using lnlib::Stats;
+using lnlib::Vec;
+
+// Threads per block: R, but at least 128 (then a block works on 128 / R rows at once).
+#define LNLIB_BLOCK(R) ((R) < 128 ? 128 : (R))
+
+// Load tile k of a row into v (chunks owned by thread t), counting the elements per slot.
+template <typename T, int R, int MAXV, typename A>
+__device__ __forceinline__ void load_tile(const T* row, int k, int t, int d, bool vec_ok,
+                                          bool active, A (&v)[MAXV][Vec<T>::n], int (&cnt)[MAXV]) {
+#pragma unroll
+    for (int s = 0; s < MAXV; ++s) {
+        const long long c = ((long long)k * MAXV + s) * R + t;
+        if (active && c * Vec<T>::n < d) {
+            cnt[s] = lnlib::load_chunk(row, c, d, vec_ok, v[s]);
+        } else {
+            cnt[s] = 0;
+#pragma unroll
+            for (int j = 0; j < Vec<T>::n; ++j) v[s][j] = A(0);
+        }
+    }
+}
+
+// Mean and rstd of a row (CENTER), or rstd alone with the mean taken as zero (RMSNorm). Ends
+// with v holding the row's last tile. Every thread of the block must call it.
+template <typename T, int R, int MAXV, bool CENTER, typename A>
+__device__ __forceinline__ void row_statistics(const T* xr, int tiles, int t, int d, bool vec_ok,
+                                               bool active, A eps, A (&v)[MAXV][Vec<T>::n],
+                                               int (&cnt)[MAXV], A& mu, A& rstd) {
+    __shared__ Stats<A> shm[LNLIB_BLOCK(R) / 32];
+    __shared__ A shs[LNLIB_BLOCK(R) / 32];
+    Stats<A> s;
+    s.n = 0;
+    s.mean = s.m2 = A(0);
+    A sq[1] = {A(0)};
+    for (int k = 0; k < tiles; ++k) {
+        load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, active, v, cnt);
+        if (CENTER) {
+            s = lnlib::chan_merge(s, lnlib::thread_stats(v, cnt));
+        } else {
+#pragma unroll
+            for (int k2 = 0; k2 < MAXV; ++k2)
+#pragma unroll
+                for (int j = 0; j < Vec<T>::n; ++j) sq[0] += v[k2][j] * v[k2][j];
+        }
+    }
+    if (CENTER) {
+        s = lnlib::row_merge<R>(s, shm);
+        mu = s.mean;
+        rstd = A(1) / sqrt(s.m2 / A(d) + eps);
+    } else {
+        lnlib::row_sum<R, 1>(sq, shs);
+        mu = A(0);
+        rstd = A(1) / sqrt(sq[0] / A(d) + eps);
+    }
+}
+
+// Forward: y = (x - mean) * rstd * weight + bias for every row (weight and bias optional, in
+// the accumulation type); the row's mean (CENTER only) and rstd are saved for the backward.
+template <typename T, int R, int MAXV, bool CENTER, typename A>
+__device__ __forceinline__ void norm_fwd(const T* x, long long ldx, T* y, long long ldy,
+                                         const A* weight, const A* bias, A* mean_out,
+                                         A* rstd_out, long long m, int d, A eps, int vec_ok) {
+    const int V = Vec<T>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
+    const int tiles = (int)(((d + V - 1) / V + R * MAXV - 1) / (R * MAXV));
+    A v[MAXV][V];
+    int cnt[MAXV];
+    for (long long first = (long long)blockIdx.x * ROWS; first < m;
+         first += (long long)gridDim.x * ROWS) {
+        const long long row = first + threadIdx.x / R;
+        const bool active = row < m;  // inactive threads still meet the block's barriers
+        const T* xr = x + (active ? row : 0) * ldx;
+        A mu, rstd;
+        row_statistics<T, R, MAXV, CENTER>(xr, tiles, t, d, vec_ok, active, eps, v, cnt, mu, rstd);
+        if (!active) continue;
+        if (t == 0) {
+            if (CENTER) mean_out[row] = mu;
+            rstd_out[row] = rstd;
+        }
+        for (int k = 0; k < tiles; ++k) {
+            if (tiles > 1) load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, active, v, cnt);
+#pragma unroll
+            for (int s = 0; s < MAXV; ++s) {
+                const long long c = ((long long)k * MAXV + s) * R + t;
+                A out[V];
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const long long i = j < cnt[s] ? c * V + j : 0;
+                    const A w = weight ? weight[i] : A(1), b = bias ? bias[i] : A(0);
+                    out[j] = (v[s][j] - mu) * rstd * w + b;
+                }
+                if (cnt[s]) lnlib::store_chunk(y + row * ldy, c, cnt[s], vec_ok, out);
+            }
+        }
+    }
+}
+
+// Tile k of a row for the backward: xh = (x - mu) * rstd and dyv = dy, both in A.
+template <typename T, int R, int MAXV, typename A>
+__device__ __forceinline__ void bwd_tile(const T* dyr, const T* xr, int k, int t, int d,
+                                         bool vec_ok, bool active, A mu, A rs,
+                                         A (&xh)[MAXV][Vec<T>::n], A (&dyv)[MAXV][Vec<T>::n],
+                                         int (&cnt)[MAXV]) {
+    load_tile<T, R, MAXV>(dyr, k, t, d, vec_ok, active, dyv, cnt);
+    load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, active, xh, cnt);
+#pragma unroll
+    for (int s = 0; s < MAXV; ++s)
+#pragma unroll
+        for (int j = 0; j < Vec<T>::n; ++j) xh[s][j] = (xh[s][j] - mu) * rs;
+}
+
+// Column of element j of slot s of tile k for thread t (0 for elements past the row).
+template <int R, int MAXV, int V>
+__device__ __forceinline__ long long column(int k, int s, int j, int t, int cnt) {
+    return j < cnt ? (((long long)k * MAXV + s) * R + t) * V + j : 0;
+}
+
+// Backward: with xhat = (x - mean) * rstd and g = dy * weight, for every row
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))       (RMSNorm, CENTER false: no mean(g)).
+// dweight = sum of dy * xhat and dbias = sum of dy over the rows: each row group (unit u) adds
+// its rows in row order, in registers when a row is one tile, and writes row u of the partial
+// buffers (units, d); param_grad_sum then adds the units in a fixed order. No atomics.
+template <typename T, int R, int MAXV, bool CENTER, typename A>
+__device__ __forceinline__ void norm_bwd(const T* dy, long long lddy, const T* x, long long ldx,
+                                         const A* mean, const A* rstd, const A* weight, T* dx,
+                                         long long lddx, A* dw_part, A* db_part, long long m,
+                                         int d, int vec_ok) {
+    const int V = Vec<T>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
+    const int tiles = (int)(((d + V - 1) / V + R * MAXV - 1) / (R * MAXV));
+    __shared__ A shs[2 * (LNLIB_BLOCK(R) / 32)];
+    const long long u = (long long)blockIdx.x * ROWS + threadIdx.x / R;
+    A xh[MAXV][V], dyv[MAXV][V], pw[MAXV][V], pb[MAXV][V];
+    int cnt[MAXV];
+#pragma unroll
+    for (int s = 0; s < MAXV; ++s)
+#pragma unroll
+        for (int j = 0; j < V; ++j) pw[s][j] = pb[s][j] = A(0);
+    for (long long first = (long long)blockIdx.x * ROWS; first < m;
+         first += (long long)gridDim.x * ROWS) {
+        const long long row = first + threadIdx.x / R;
+        const bool active = row < m, initial = first == (long long)blockIdx.x * ROWS;
+        const long long r0 = active ? row : 0;
+        const A mu = CENTER ? mean[r0] : A(0), rs = rstd[r0];
+        A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
+        for (int k = 0; k < tiles; ++k) {
+            bwd_tile<T, R, MAXV>(dy + r0 * lddy, x + r0 * ldx, k, t, d, vec_ok, active, mu, rs,
+                                 xh, dyv, cnt);
+#pragma unroll
+            for (int s = 0; s < MAXV; ++s)
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const long long i = column<R, MAXV, V>(k, s, j, t, cnt[s]);
+                    const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
+                    sums[0] += g;
+                    sums[1] += g * xh[s][j];
+                }
+        }
+        lnlib::row_sum<R, 2>(sums, shs);
+        if (!active) continue;
+        const A c1 = CENTER ? sums[0] / A(d) : A(0), c2 = sums[1] / A(d);
+        for (int k = 0; k < tiles; ++k) {
+            if (tiles > 1)
+                bwd_tile<T, R, MAXV>(dy + row * lddy, x + row * ldx, k, t, d, vec_ok, active,
+                                     mu, rs, xh, dyv, cnt);
+#pragma unroll
+            for (int s = 0; s < MAXV; ++s) {
+                A out[V];
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const long long i = column<R, MAXV, V>(k, s, j, t, cnt[s]);
+                    const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
+                    out[j] = rs * (g - c1 - xh[s][j] * c2);
+                    if (tiles == 1) {
+                        pw[s][j] += dyv[s][j] * xh[s][j];
+                        pb[s][j] += dyv[s][j];
+                    } else if (j < cnt[s]) {  // long rows: this unit's partial row in memory
+                        dw_part[u * d + i] = (initial ? A(0) : dw_part[u * d + i]) + dyv[s][j] * xh[s][j];
+                        if (CENTER) db_part[u * d + i] = (initial ? A(0) : db_part[u * d + i]) + dyv[s][j];
+                    }
+                }
+                const long long c = ((long long)k * MAXV + s) * R + t;
+                if (cnt[s]) lnlib::store_chunk(dx + row * lddx, c, cnt[s], vec_ok, out);
+            }
+        }
+    }
+    if (tiles > 1 || u >= m) return;  // one-tile rows: this unit's sums are still in registers
+#pragma unroll
+    for (int s = 0; s < MAXV; ++s)
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const long long i = ((long long)s * R + t) * V + j;
+            if (i < d) {
+                dw_part[u * d + i] = pw[s][j];
+                if (CENTER) db_part[u * d + i] = pb[s][j];
+            }
+        }
+}
+
+// Second stage of the parameter gradients: out[col] = sum over u of part[u, col], for units
+// u = 0 .. units-1. Thread (tx, ty) of a 32 x 32 block adds the units ty, ty + 32, ... of
+// column tx in order; the 32 partial sums are then added by a fixed tree over ty.
+template <typename A>
+__device__ __forceinline__ void param_grad_sum_body(const A* part, long long units, int d, A* out) {
+    __shared__ A shm[32][33];
+    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+    const long long col = (long long)blockIdx.x * 32 + tx;
+    A s = A(0);
+    if (col < d)
+        for (long long u = ty; u < units; u += 32) s += part[u * d + col];
+    shm[ty][tx] = s;
+    __syncthreads();
+    for (int half = 16; half > 0; half >>= 1) {
+        if (ty < half) shm[ty][tx] += shm[ty + half][tx];
+        __syncthreads();
+    }
+    if (ty == 0 && col < d) out[col] = shm[0][tx];
+}
+
+// The kernels CuPy loads by name (lnlib/_cuda/kernels.py builds the name expressions).
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R))
+layer_norm_fwd(const T* x, long long ldx, T* y, long long ldy,
+               const typename Acc<T>::type* weight, const typename Acc<T>::type* bias,
+               typename Acc<T>::type* mean, typename Acc<T>::type* rstd, long long m, int d,
+               typename Acc<T>::type eps, int vec_ok) {
+    norm_fwd<T, R, MAXV, true>(x, ldx, y, ldy, weight, bias, mean, rstd, m, d, eps, vec_ok);
+}
+
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R))
+rms_norm_fwd(const T* x, long long ldx, T* y, long long ldy,
+             const typename Acc<T>::type* weight, typename Acc<T>::type* rstd, long long m,
+             int d, typename Acc<T>::type eps, int vec_ok) {
+    typedef typename Acc<T>::type A;
+    norm_fwd<T, R, MAXV, false>(x, ldx, y, ldy, weight, (const A*)0, (A*)0, rstd, m, d, eps,
+                                vec_ok);
+}
+
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R))
+layer_norm_bwd(const T* dy, long long lddy, const T* x, long long ldx,
+               const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
+               const typename Acc<T>::type* weight, T* dx, long long lddx,
+               typename Acc<T>::type* dw_part, typename Acc<T>::type* db_part, long long m,
+               int d, int vec_ok) {
+    norm_bwd<T, R, MAXV, true>(dy, lddy, x, ldx, mean, rstd, weight, dx, lddx, dw_part, db_part,
+                               m, d, vec_ok);
+}
+
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R))
+rms_norm_bwd(const T* dy, long long lddy, const T* x, long long ldx,
+             const typename Acc<T>::type* rstd, const typename Acc<T>::type* weight, T* dx,
+             long long lddx, typename Acc<T>::type* dw_part, long long m, int d, int vec_ok) {
+    typedef typename Acc<T>::type A;
+    norm_bwd<T, R, MAXV, false>(dy, lddy, x, ldx, (const A*)0, rstd, weight, dx, lddx, dw_part,
+                                (A*)0, m, d, vec_ok);
+}
+
+template <typename A>
+__global__ void __launch_bounds__(1024) param_grad_sum(const A* part, long long units, int d, A* out) {
+    param_grad_sum_body(part, units, d, out);
+}
