@@ -80,7 +80,7 @@ register("numpy", "lnlib._cpu.numpy_rows", array_module="numpy", dtypes=(_F16, _
 register("reference", "lnlib.reference", array_module="any", dtypes=(_F16, _F32, _F64),
          description="readable formulas of lnlib.reference", attr="{op}")
 # The CUDA kernels: a module with available() -> (bool, reason) and the <op>_rows functions.
-register("cuda", "lnlib._cuda.kernels", array_module="cupy", dtypes=(_F16, _F32, _F64),
+register("cuda", "lnlib._cuda.rows", array_module="cupy", dtypes=(_F16, _F32, _F64),
          description="CUDA kernels through CuPy")
 #: Names :func:`use_implementation` accepts.
 NAMES = ("auto", "kernel", "numpy", "reference", "cuda")

@@ -1,0 +1,147 @@
+"""The row-matrix implementations of the CUDA kernels, registered as ``"cuda"`` in
+:mod:`lnlib._backend` (signatures there): CuPy arrays in, CuPy arrays out, on the device of
+the input, with no host round trip.
+
+Rows are read in place when each row is contiguous and rows are a non-negative, whole number
+of elements apart (any row stride, so slices of a larger array cost no copy); any other layout
+is copied to contiguous rows first. The kernels move 16-byte vectors when every row is 16-byte
+aligned and the row length a multiple of the vector, element by element otherwise; both give
+bitwise the same results (see ``lnlib/kernels/norms_cuda.cuh``).
+
+Derived in the book, chapter "Implementation", section "GPU kernels".
+"""
+
+import sys
+
+import numpy as np
+
+from . import kernels
+
+_NULL = np.uintp(0)
+
+
+def available():
+    """``(usable, reason)``: CuPy importable and a CUDA GPU visible to it."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return False, f"CuPy is not installed ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount() if cupy.cuda.is_available() else 0
+    except Exception as exc:  # noqa: BLE001 - a broken driver means no GPU here
+        return False, f"CuPy cannot reach a CUDA driver ({exc})"
+    if not count:
+        return False, "CuPy sees no CUDA GPU"
+    return True, f"{count} CUDA GPU(s), CuPy {cupy.__version__}"
+
+
+def _acc(dtype):
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _rows(a):
+    """``(rows, ld)``: ``a`` (M, D) itself if the kernels can read it in place, else a
+    contiguous copy; ``ld`` is the distance between rows in elements."""
+    cupy = sys.modules["cupy"]
+    m, d = a.shape
+    item = a.itemsize
+    inner_ok = d == 1 or a.strides[1] == item
+    outer_ok = m == 1 or (a.strides[0] >= 0 and a.strides[0] % item == 0)
+    if not (inner_ok and outer_ok):
+        a = cupy.ascontiguousarray(a)
+    return a, (a.strides[0] // item if m > 1 else d)
+
+
+def _vec_ok(d, dtype, *pairs):
+    """True if every (array, ld) row start is 16-byte aligned and d fills whole vectors."""
+    item = np.dtype(dtype).itemsize
+    if d % (16 // item):
+        return np.int32(0)
+    return np.int32(all(a.data.ptr % 16 == 0 and (ld * item) % 16 == 0 for a, ld in pairs))
+
+
+def _param(p, acc):
+    cupy = sys.modules["cupy"]
+    return _NULL if p is None else cupy.ascontiguousarray(p, dtype=acc)
+
+
+def _check_width(d):
+    if d >= 2**31:
+        raise ValueError(f"the CUDA kernels take rows of fewer than 2**31 elements, got {d}")
+
+
+def _forward(op, x, params, eps, with_mean):
+    """Launch forward kernel ``op`` on rows ``x``; returns y, (mean,) rstd."""
+    cupy = sys.modules["cupy"]
+    m, d = x.shape
+    _check_width(d)
+    acc = _acc(x.dtype)
+    x, ldx = _rows(x)
+    y = cupy.empty((m, d), dtype=x.dtype)
+    mean = cupy.empty(m, dtype=acc) if with_mean else None
+    rstd = cupy.empty(m, dtype=acc)
+    if m:
+        r, maxv, tiles = kernels.launch_shape(op, x.dtype, d)
+        vec_ok = _vec_ok(d, x.dtype, (x, ldx), (y, d))
+        stats = (mean, rstd) if with_mean else (rstd,)
+        args = (x, np.int64(ldx), y, np.int64(d), *(_param(p, acc) for p in params), *stats,
+                np.int64(m), np.int32(d), acc.type(eps), vec_ok)
+        kernels.function(op, x.dtype, r, maxv)(
+            (kernels.grid("fwd", m, r),), (kernels.block_threads(r),), args)
+    return (y, mean, rstd) if with_mean else (y, rstd)
+
+
+def _column_sum(op, dtype, part):
+    """Second stage of a parameter gradient: the units of ``part`` (units, D) added in order."""
+    cupy = sys.modules["cupy"]
+    units, d = part.shape
+    out = cupy.empty(d, dtype=part.dtype)
+    fn = kernels.module(op, dtype).get_function(kernels.sum_name(dtype))
+    fn((-(-d // 32),), (1024,), (part, np.int64(units), np.int32(d), out))
+    return out
+
+
+def _backward(op, dy, x, stats, weight, with_bias):
+    """Launch backward kernel ``op``; returns dx, dweight (, dbias) in the accumulation dtype."""
+    cupy = sys.modules["cupy"]
+    m, d = x.shape
+    _check_width(d)
+    acc = _acc(x.dtype)
+    x, ldx = _rows(x)
+    dy, lddy = _rows(dy.astype(x.dtype, copy=False))
+    dx = cupy.empty((m, d), dtype=x.dtype)
+    if m == 0:
+        zeros = cupy.zeros(d, dtype=acc)
+        return (dx, zeros, zeros.copy()) if with_bias else (dx, zeros)
+    r, maxv, tiles = kernels.launch_shape(op, x.dtype, d)
+    blocks = kernels.grid("bwd", m, r, d, tiles)
+    units = min(m, blocks * (kernels.block_threads(r) // r))
+    dw_part = cupy.empty((units, d), dtype=acc)
+    db_part = cupy.empty((units, d), dtype=acc) if with_bias else None
+    stats = tuple(cupy.ascontiguousarray(s, dtype=acc) for s in stats)
+    parts = (dw_part, db_part) if with_bias else (dw_part,)
+    vec_ok = _vec_ok(d, x.dtype, (x, ldx), (dy, lddy), (dx, d))
+    args = (dy, np.int64(lddy), x, np.int64(ldx), *stats, _param(weight, acc), dx, np.int64(d),
+            *parts, np.int64(m), np.int32(d), vec_ok)
+    kernels.function(op, x.dtype, r, maxv)((blocks,), (kernels.block_threads(r),), args)
+    return (dx, *(_column_sum(op, x.dtype, p) for p in parts))
+
+
+def layer_norm_forward_rows(x, weight, bias, eps):
+    """LayerNorm forward on rows ``x`` (M, D) with the CUDA kernel: ``y, mean, rstd``."""
+    return _forward("layer_norm_fwd", x, (weight, bias), eps, True)
+
+
+def layer_norm_backward_rows(dy, x, mean, rstd, weight):
+    """LayerNorm backward on rows with the CUDA kernel: ``dx, dweight, dbias``."""
+    return _backward("layer_norm_bwd", dy, x, (mean, rstd), weight, True)
+
+
+def rms_norm_forward_rows(x, weight, eps):
+    """RMSNorm forward on rows ``x`` (M, D) with the CUDA kernel: ``y, rstd``."""
+    return _forward("rms_norm_fwd", x, (weight,), eps, False)
+
+
+def rms_norm_backward_rows(dy, x, rstd, weight):
+    """RMSNorm backward on rows with the CUDA kernel: ``dx, dweight``."""
+    return _backward("rms_norm_bwd", dy, x, (rstd,), weight, False)
