@@ -203,9 +203,10 @@ def step_variants(x, weight, bias, eps):
     The NumPy steps, then the compiled kernel (one pass from memory per row) in one thread and
     in one thread per core, when it is available on this machine.
     """
-    from lnlib import _cpu_kernels
-    from lnlib.layer_norm import _forward_kernel, _forward_numpy
+    from lnlib._cpu import kernels, numpy_rows
 
+    _forward_numpy = numpy_rows.layer_norm_forward_rows
+    _forward_kernel = kernels.layer_norm_forward_rows
     m = x.shape[0]
     steps = [
         ("reference (readable)",
@@ -217,7 +218,7 @@ def step_variants(x, weight, bias, eps):
         ("row-blocked + threads",
          lambda: _forward_numpy(x, weight, bias, eps)),
     ]
-    if _cpu_kernels.function("layer_norm_fwd", x.dtype) is not None:
+    if kernels.available()[0] and x.dtype in (np.float32, np.float64):
         steps += [
             ("C kernel (1 thread)", lambda: _forward_kernel(x, weight, bias, eps, threads=1)),
             ("C kernel + threads", lambda: _forward_kernel(x, weight, bias, eps)),
@@ -261,6 +262,72 @@ def bench_steps(shape, dtype, repeats, copy_GBps, eps=1e-5):
             "steps": steps}
 
 
+def _implementations():
+    """The CPU implementations to compare: the compiled kernel where available, NumPy."""
+    from lnlib._cpu import kernels
+
+    return (["kernel"] if kernels.available()[0] else []) + ["numpy"]
+
+
+def long_row_rstd_errors(log2_n, seed=0, eps=1e-5):
+    """Relative error of float32 rstd on one row of 2**log2_n values from N(3, 1), vs float64.
+
+    Returns ``{implementation: error}`` for lnlib's CPU implementations and ``torch``, and
+    ``"float32 nearest"``: the error of the exact rstd rounded to float32 (the best possible).
+    """
+    import torch
+
+    x = (3 + np.random.default_rng(seed).standard_normal((1, 1 << log2_n))).astype(np.float32)
+    x64 = x.astype(np.float64)
+    exact = 1 / np.sqrt(np.mean((x64 - x64.mean()) ** 2) + eps)
+    got = {"float32 nearest": np.float32(exact)}
+    for name in _implementations():
+        with lnlib.use_implementation(name):
+            got[name] = lnlib.layer_norm_forward(x, eps=eps)[2][0]
+    got["torch"] = torch.native_layer_norm(torch.from_numpy(x), (x.shape[1],), None, None,
+                                           eps)[2].item()
+    return {k: abs(float(v) - exact) / exact for k, v in got.items()}
+
+
+def long_column_dbias_errors(log2_m, dy_value=1.3, n=4, seed=0):
+    """Largest relative error of float32 dbias over 2**log2_m rows of ``dy = dy_value``."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1 << log2_m, n)).astype(np.float32)  # (M, D)
+    dy = np.full(x.shape, dy_value, dtype=np.float32)  # (M, D)
+    exact = dy.astype(np.float64).sum(0)  # (D,)
+    got = {}
+    for name in _implementations():
+        with lnlib.use_implementation(name):
+            _, mean, rstd = lnlib.layer_norm_forward(x)
+            got[name] = lnlib.layer_norm_backward(dy, x, mean, rstd)[2]
+    bias = torch.zeros(n, requires_grad=True)
+    torch.nn.functional.layer_norm(torch.from_numpy(x), (n,), None, bias).backward(
+        torch.from_numpy(dy))
+    got["torch"] = bias.grad.numpy()
+    return {k: float(np.max(np.abs(v - exact) / np.abs(exact))) for k, v in got.items()}
+
+
+def accuracy(log2_lengths=(22, 24), log2_rows=20):
+    """The accuracy figures of issue 8: long-row rstd and long-column dbias, float32."""
+    rows = [{"case": f"rstd, one row of 2^{k} values N(3, 1)", **long_row_rstd_errors(k)}
+            for k in log2_lengths]
+    rows.append({"case": f"dbias, 2^{log2_rows} rows of dy = 1.3",
+                 **long_column_dbias_errors(log2_rows)})
+    return rows
+
+
+def format_accuracy(rows):
+    """The accuracy figures as a plain-text table of relative errors."""
+    names = [k for k in rows[0] if k != "case"]
+    lines = [f"{'float32 relative error vs float64':<40}" + "".join(f"{n:>17}" for n in names)]
+    for row in rows:
+        lines.append(f"{row['case']:<40}" + "".join(f"{row.get(n, float('nan')):17.2e}"
+                                                   for n in names))
+    return "\n".join(lines)
+
+
 def machine_info():
     import torch
 
@@ -274,9 +341,9 @@ def machine_info():
 
 
 def _cpu_path():
-    from lnlib import _cpu_kernels
+    from lnlib._cpu import kernels
 
-    info = _cpu_kernels.info()
+    info = kernels.info()
     return "compiled C kernel" if info["kernel"] else f"NumPy ({info['reason']})"
 
 
@@ -335,7 +402,13 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--quick", action="store_true",
                    help="small shapes, few repeats, a small copy: a smoke run of seconds")
+    p.add_argument("--accuracy", action="store_true",
+                   help="only print the float32 accuracy on long rows and columns (issue 8)")
     args = p.parse_args(argv)
+    if args.accuracy:
+        rows = accuracy()
+        print(format_accuracy(rows))
+        return {"accuracy": rows}
 
     shapes = parse_shapes(args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES))
     dtypes = [np.dtype(d.strip()) for d in args.dtypes.split(",")]

@@ -1,46 +1,180 @@
-"""The compiled CPU kernel: built where a C compiler exists, and in agreement with the NumPy path."""
+"""The compiled CPU kernel: built where a compiler exists, accurate on long rows and long
+columns, bitwise invariant to batch, threads and alignment, bound with checked types, and
+described pass by pass by ``lnlib._cpu.kernels.PASSES``."""
 
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lnlib
-from lnlib import _cpu_kernels
+from lnlib._cpu import kernels
+
+KERNEL_DIR = Path(lnlib.__file__).parent / "kernels"
+
+
+@pytest.fixture
+def kernel():
+    """The kernel's row functions; skipped with the reason where the module was not built."""
+    usable, reason = kernels.available()
+    if not usable:
+        pytest.skip(f"compiled kernel not available: {reason}")
+    return kernels
 
 
 def test_kernel_is_built_where_a_compiler_exists():
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler on this machine: the NumPy fast path is used")
-    info = _cpu_kernels.info()
+    info = kernels.info()
     assert info["kernel"], info["reason"]
+    assert Path(info["path"]).parent == Path(kernels.__file__).parent  # inside the package
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("n", [1, 7, 16, 33, 768, 4099])
-def test_kernel_and_numpy_paths_agree(rng, dtype, n):
-    if not _cpu_kernels.info()["kernel"]:
-        pytest.skip(_cpu_kernels.info()["reason"])
+@pytest.mark.parametrize("n", [1, 7, 16, 33, 255, 256, 257, 768, 4099])
+def test_kernel_and_numpy_paths_agree(kernel, rng, dtype, n):
     x = (rng.standard_normal((50, n)) * 2 + 3).astype(dtype)
     w, b = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
     dy = rng.standard_normal(x.shape).astype(dtype)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
-    fast = lnlib.layer_norm_forward(x, w, b)
-    fast_b = lnlib.layer_norm_backward(dy, x, *fast[1:], w)
-    fast_r = lnlib.rms_norm_forward(x, w)
-    fast_rb = lnlib.rms_norm_backward(dy, x, fast_r[1], w)
-    with _cpu_kernels.disabled():
-        slow = lnlib.layer_norm_forward(x, w, b)
-        slow_b = lnlib.layer_norm_backward(dy, x, *slow[1:], w)
-        slow_r = lnlib.rms_norm_forward(x, w)
-        slow_rb = lnlib.rms_norm_backward(dy, x, slow_r[1], w)
-    for a, c in zip((*fast, *fast_b, *fast_r, *fast_rb), (*slow, *slow_b, *slow_r, *slow_rb)):
+
+    def run():
+        fwd = lnlib.layer_norm_forward(x, w, b)
+        r = lnlib.rms_norm_forward(x, w)
+        return (*fwd, *lnlib.layer_norm_backward(dy, x, *fwd[1:], w),
+                *r, *lnlib.rms_norm_backward(dy, x, r[1], w))
+
+    with lnlib.use_implementation("kernel"):
+        fast = run()
+    with lnlib.use_implementation("numpy"):
+        slow = run()
+    tol = 5e-4 if dtype == np.float32 else 5e-11
+    for a, c in zip(fast, slow):
         assert a.dtype == c.dtype and a.shape == c.shape
-        np.testing.assert_allclose(a, c, **{k: v * 50 for k, v in tol.items()})
+        np.testing.assert_allclose(a, c, rtol=tol, atol=tol)
 
 
-def test_disabled_context_restores_the_kernel():
-    before = _cpu_kernels.function("layer_norm_fwd", np.float32)
-    with _cpu_kernels.disabled():
-        assert _cpu_kernels.function("layer_norm_fwd", np.float32) is None
-    assert _cpu_kernels.function("layer_norm_fwd", np.float32) is before
+def _exact_layer_norm_stats(x):
+    x64 = x.astype(np.float64)
+    mean = x64.mean()
+    return mean, 1 / np.sqrt(np.mean((x64 - mean) ** 2) + 1e-5)
+
+
+@pytest.mark.parametrize("log2_n", [20, 22])
+def test_long_row_statistics_are_correctly_rounded(kernel, log2_n):
+    # 16 float32 running sums gave rstd off by 2.8e-5 (relative) at 2^22 values
+    x = (3 + np.random.default_rng(log2_n).standard_normal((1, 1 << log2_n))).astype(np.float32)
+    _, mean, rstd = kernel.layer_norm_forward_rows(x, None, None, 1e-5)
+    want_mean, want_rstd = _exact_layer_norm_stats(x)
+    ulp = np.spacing(np.float32(want_rstd))
+    assert abs(float(rstd[0]) - want_rstd) <= 0.5 * ulp * 1.01  # the float32 nearest
+    assert abs(float(mean[0]) - want_mean) <= 0.5 * np.spacing(np.float32(want_mean)) * 1.01
+    _, rms_rstd = kernel.rms_norm_forward_rows(x, None, 1e-5)
+    want = 1 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5)
+    assert abs(float(rms_rstd[0]) - want) <= 0.5 * np.spacing(np.float32(want)) * 1.01
+
+
+def test_long_column_parameter_gradients_are_accurate(kernel):
+    # summed row by row in float32, dbias of 2^20 rows of 1.3 was 0.4 % off
+    m, n = 1 << 20, 4
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((m, n)).astype(np.float32)
+    mean, rstd = x.mean(1), (1 / x.std(1)).astype(np.float32)
+    for dy in (np.full((m, n), 1.3, np.float32), rng.random((m, n), dtype=np.float32)):
+        _, dweight, dbias = kernel.layer_norm_backward_rows(dy, x, mean, rstd, None)
+        want = dy.astype(np.float64).sum(0)
+        np.testing.assert_allclose(dbias, want, rtol=1.2e-7)
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        want_dw = (dy.astype(np.float64) * xhat).sum(0)
+        assert np.max(np.abs(dweight - want_dw)) <= 1e-6 * np.abs(dy * xhat).sum(0).max()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_results_do_not_depend_on_threads_batch_or_alignment(kernel, rng, dtype):
+    m, n = 1000, 300
+    x = rng.standard_normal((m, n)).astype(dtype) + 5
+    dy = rng.standard_normal((m, n)).astype(dtype)
+    w, b = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+
+    def all_outputs(x, dy, threads):
+        y, mean, rstd = kernel.layer_norm_forward_rows(x, w, b, 1e-5, threads=threads)
+        grads = kernel.layer_norm_backward_rows(dy, x, mean, rstd, w, threads=threads)
+        ry, r = kernel.rms_norm_forward_rows(x, w, 1e-5, threads=threads)
+        return (y, mean, rstd, *grads, ry, r, *kernel.rms_norm_backward_rows(dy, x, r, w,
+                                                                             threads=threads))
+
+    base = all_outputs(x, dy, 1)
+    for threads in (2, 3, 7):
+        for a, c in zip(all_outputs(x, dy, threads), base):
+            np.testing.assert_array_equal(a, c)
+    # row 17 alone, and at an odd address inside a wider buffer (rows with a gap)
+    wide = np.zeros((m, n + 3), dtype=dtype)
+    wide[:, 1:n + 1] = x
+    shifted = all_outputs(wide[:, 1:n + 1], dy, 2)
+    alone = all_outputs(x[17:18].copy(), dy[17:18].copy(), 1)
+    for a, c in zip(shifted, base):
+        np.testing.assert_array_equal(a, c)
+    for i in (0, 1, 2, 3, 6, 7, 8):  # the per-row results: y, mean, rstd, dx; y, rstd, dx
+        np.testing.assert_array_equal(alone[i][0], base[i][17])
+
+
+def test_binding_rejects_wrong_dtypes_and_argument_counts(kernel):
+    x = np.ones((2, 4), dtype=np.float32)
+    y, mean, rstd = np.empty_like(x), np.empty(2, np.float32), np.empty(2, np.float32)
+    ffi, lib = kernels._state["module"].ffi, kernels._state["module"].lib
+
+    def p(a):
+        return ffi.from_buffer(("float" if a.dtype == np.float32 else "double") + "[]", a)
+
+    ones, zeros = p(np.ones(4, np.float32)), p(np.zeros(4, np.float32))
+    lib.layer_norm_forward_f32(p(x), 4, ones, zeros, p(y), p(mean), p(rstd), 2, 4, 1e-5)
+    np.testing.assert_allclose(y, 0)
+    with pytest.raises(TypeError):  # a float64 array where float * is declared
+        lib.layer_norm_forward_f32(p(x), 4, ones, zeros, p(y), p(mean.astype(np.float64)),
+                                   p(rstd), 2, 4, 1e-5)
+    with pytest.raises(TypeError):  # eps forgotten
+        lib.layer_norm_forward_f32(p(x), 4, ones, zeros, p(y), p(mean), p(rstd), 2, 4)
+    with pytest.raises(TypeError):  # a length where a pointer is declared
+        lib.layer_norm_forward_f32(p(x), 4, 4, zeros, p(y), p(mean), p(rstd), 2, 4, 1e-5)
+
+
+def test_read_only_input_is_accepted_and_never_written(kernel, rng):
+    x = rng.standard_normal((4, 9)).astype(np.float32)
+    x.flags.writeable = False
+    y, _, _ = kernel.layer_norm_forward_rows(x, None, None, 1e-5)
+    assert y.flags.writeable and not x.flags.writeable
+
+
+# --- PASSES (the description chapter 5 imports) against the C source -------------------------
+
+_ARRAYS = ("x", "dy", "weight", "bias", "y", "dx", "dweight", "dbias")
+_PASS = re.compile(r"FN\(row_\w+\)\((?P<call>[^;]*);"
+                   r"|for \(ptrdiff_t i = 0; i < n; i\+\+\)(?P<loop>\s*\{.*?\n    \}|[^;]*;)",
+                   re.S)
+
+
+def _row_function_body(op):
+    source = (KERNEL_DIR / "norms_cpu_typed.h").read_text()
+    match = re.search(r"static void FN\(" + op + r"_row\)\([^)]*\)\n\{\n(.*?)\n\}\n", source,
+                      re.S)
+    assert match, f"no row function for {op} in norms_cpu_typed.h"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("op", sorted(kernels.PASSES))
+def test_passes_match_the_c_source(op):
+    passes = [m.group("call") or m.group("loop") for m in _PASS.finditer(_row_function_body(op))]
+    described = kernels.PASSES[op]
+    assert len(passes) == len(described), f"{op}: C makes {len(passes)} passes over a row"
+    for text, want in zip(passes, described):
+        used = {a for a in _ARRAYS if re.search(rf"\b{a}\b", text)}
+        written = {a for a in _ARRAYS if re.search(rf"\b{a}\[i\] \+?=", text)}
+        assert written == set(want["writes"]), (op, text)
+        assert used == set(want["reads"]) | written, (op, text)
+
+
+def test_passes_cover_every_kernel_in_the_header():
+    header = (KERNEL_DIR / "norms.h").read_text()
+    declared = set(re.findall(r"void (\w+)_f32\(", header))
+    assert declared == set(kernels.PASSES)

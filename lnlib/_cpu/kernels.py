@@ -1,104 +1,266 @@
-"""The compiled C kernel behind the row signature of :mod:`lnlib._backend` (float32, float64).
+r"""The compiled C kernels behind the row signature of :mod:`lnlib._backend` (float32, float64).
 
-:func:`available` and :func:`info` say whether the kernel can run here and why; the four
-``*_rows`` functions call it, one C call per chunk of rows, the chunks in threads.
+The C source is ``lnlib/kernels/norms_cpu.c`` (declarations in ``norms.h``). It is compiled
+when the package is built (``pip install``, ``pip wheel``, the editable install of
+``make env``) into the extension module ``lnlib._cpu._norms``, bound with cffi, which reads
+``norms.h``: a call with a missing argument, or an array of the wrong dtype where the C
+function wants ``float *`` or ``double *``, raises ``TypeError``. Nothing is compiled or loaded
+from a cache folder at run time: only the module installed with the package is imported.
+
+Where the package was installed without a C compiler (or the module is damaged), lnlib runs
+its NumPy path and says so once, with a :class:`RuntimeWarning`, at first use;
+:func:`info` says which path runs and why.
+
+The four ``*_rows`` functions split the rows into one chunk per thread (one C call each; cffi
+releases the GIL during the call). Every sum over a row runs in a fixed order that depends on
+the row length only, and the parameter gradients are summed per block of
+``NORMS_BLOCK_ROWS`` rows and the blocks added pairwise, so results are bitwise the same for
+any batch, thread count or alignment. :data:`PASSES` lists what each kernel does to a row.
+
+Covered in the book, chapter "Implementation", section "A compiled kernel".
 """
+
+import threading
+import warnings
 
 import numpy as np
 
-from .. import _cpu_kernels as kernels
-from .._rows import run_chunks, sum_chunks
+from .._rows import run_chunks
 
-__all__ = ["available", "info", "layer_norm_forward_rows", "layer_norm_backward_rows",
+__all__ = ["PASSES", "available", "info", "layer_norm_forward_rows", "layer_norm_backward_rows",
            "rms_norm_forward_rows", "rms_norm_backward_rows"]
+
+#: The passes each kernel makes over one row, in order: the arrays read and written (arrays of
+#: length D; ``dweight``/``dbias`` are the row block's float64 column sums, which stay in
+#: cache) and what the pass computes. Only the first pass reads the row from memory; the
+#: others find it in cache. ``tests/test_cpu_kernels.py`` checks this against the C source.
+PASSES = {
+    "layer_norm_forward": (
+        {"reads": ("x",), "writes": (), "computes": "mean0 = sum(x) / D"},
+        {"reads": ("x",), "writes": (), "computes": "mean = mean0 + sum(x - mean0) / D"},
+        {"reads": ("x",), "writes": (), "computes": "rstd = 1 / sqrt(sum((x - mean)^2) / D + eps)"},
+        {"reads": ("x", "weight", "bias"), "writes": ("y",),
+         "computes": "y = (x - mean) rstd weight + bias"},
+    ),
+    "layer_norm_backward": (
+        {"reads": ("dy", "weight", "x"), "writes": (),
+         "computes": "mean(g), mean(g xhat) with g = dy weight"},
+        {"reads": ("x", "dy", "weight"), "writes": ("dx", "dweight", "dbias"),
+         "computes": "dx = rstd (g - mean(g) - xhat mean(g xhat)); dweight += dy xhat; "
+                     "dbias += dy"},
+    ),
+    "rms_norm_forward": (
+        {"reads": ("x",), "writes": (), "computes": "rstd = 1 / sqrt(sum(x^2) / D + eps)"},
+        {"reads": ("x", "weight"), "writes": ("y",), "computes": "y = x rstd weight"},
+    ),
+    "rms_norm_backward": (
+        {"reads": ("dy", "weight", "x"), "writes": (), "computes": "mean(g xhat), g = dy weight"},
+        {"reads": ("x", "dy", "weight"), "writes": ("dx", "dweight"),
+         "computes": "dx = rstd (g - xhat mean(g xhat)); dweight += dy xhat"},
+    ),
+}
+
+_CTYPES = {np.dtype(np.float32): ("float", "f32"), np.dtype(np.float64): ("double", "f64")}
+_FUNCTIONS = [f"{op}_{suffix}" for op in PASSES for suffix in ("f32", "f64")]
+_lock = threading.Lock()
+_state = {"module": None, "loaded": False, "reason": "not loaded yet", "path": None}
+
+
+def _load():
+    """Import the extension module built with the package; ``(module, reason)``."""
+    try:
+        from . import _norms
+    except ImportError as exc:  # not built (no compiler at install time) or damaged
+        return None, f"extension module lnlib._cpu._norms cannot be imported ({exc})"
+    missing = [name for name in _FUNCTIONS + ["sum_blocks_pairwise"]
+               if not hasattr(getattr(_norms, "lib", None), name)]
+    if missing:
+        return None, (f"extension module {_norms.__file__} lacks {', '.join(missing)} "
+                      "(built from another version of lnlib?)")
+    return _norms, f"compiled kernel {_norms.__file__}"
+
+
+def _module():
+    """The extension module, imported once; warns once when it cannot be used."""
+    if not _state["loaded"]:
+        with _lock:
+            if not _state["loaded"]:
+                module, reason = _load()
+                _state.update(module=module, reason=reason, loaded=True,
+                              path=None if module is None else module.__file__)
+                if module is None:
+                    warnings.warn(f"lnlib: the compiled CPU kernel is not available: {reason}; "
+                                  "using the NumPy path (reinstall lnlib where a C compiler "
+                                  "exists to get it)", RuntimeWarning, stacklevel=4)
+    return _state["module"]
 
 
 def info():
-    """Whether the kernel is built and loaded: ``{"kernel": bool, "reason": str, "path": str}``."""
-    return kernels.info()
+    """Whether the compiled kernel runs here, and why.
+
+    Returns
+    -------
+    dict
+        ``{"kernel": bool, "reason": str, "path": str or None, "flags": list of str,
+        "source": str}``: ``path`` is the loaded extension module, ``flags`` the compiler
+        flags it was built with, ``source`` the C file, relative to the package.
+    """
+    module = _module()
+    return {"kernel": module is not None, "reason": _state["reason"], "path": _state["path"],
+            "flags": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
+            "source": "kernels/norms_cpu.c"}
 
 
 def available():
     """``(usable, reason)``: whether the compiled kernel can run on this machine."""
-    state = info()
-    return state["kernel"], state["reason"]
+    return _module() is not None, _state["reason"]
+
+
+def _c_function(op, dtype):
+    module = _module()
+    if module is None:
+        raise RuntimeError(f"lnlib: the compiled CPU kernel is not available: {_state['reason']}")
+    return getattr(module.lib, f"{op}_{_CTYPES[np.dtype(dtype)][1]}")
+
+
+def _pointer(a, writable=False):
+    """A typed C pointer to the first element of ``a``: ``float *`` or ``double *``.
+
+    ``a`` is 1-d contiguous or 2-d with contiguous rows (row stride >= row length); the pointer
+    type comes from ``a``'s dtype, so cffi rejects an array of the wrong dtype.
+    """
+    ffi = _state["module"].ffi
+    ctype = _CTYPES[a.dtype][0]
+    if a.ndim == 2 and a.shape[0] > 1 and not a.flags.c_contiguous:
+        # rows with a gap between them: the span from the first to the last element
+        span = (a.shape[0] - 1) * _ld(a) + a.shape[1]
+        a = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
+    return ffi.from_buffer(f"{ctype}[]", a, require_writable=writable)
+
+
+def _ld(a):
+    """Row stride of a 2-d array, in elements."""
+    return a.strides[0] // a.itemsize
+
+
+def _rows(a, dtype):
+    """``a`` (M, D) as rows the kernel can read: contiguous rows, forwards, of ``dtype``."""
+    m, n = a.shape
+    rows_ok = a.dtype == dtype and (n == 1 or a.strides[1] == a.itemsize)
+    if rows_ok and (m == 1 or (a.strides[0] >= n * a.itemsize and a.strides[0] % a.itemsize == 0)):
+        return a
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _vector(param, n, dtype, fill):
+    """A parameter as a contiguous (D,) vector of ``dtype``; ``fill`` everywhere when None."""
+    if param is None:
+        return np.full(n, fill, dtype=dtype)
+    return np.ascontiguousarray(param, dtype=dtype)
+
+
+def _column_blocks(m, n):
+    """Zeroed float64 column sums, one row per block of ``NORMS_BLOCK_ROWS`` rows."""
+    blocks = -(-m // _state["module"].lib.NORMS_BLOCK_ROWS)
+    return np.zeros((blocks, n), dtype=np.float64)
+
+
+def _column_total(blocks, dtype):
+    """The blocks' column sums added pairwise in a fixed order, as a (D,) vector of ``dtype``."""
+    if blocks.shape[0] == 0:
+        return np.zeros(blocks.shape[1], dtype=dtype)
+    _state["module"].lib.sum_blocks_pairwise(_pointer(blocks, True), *blocks.shape)
+    return blocks[0].astype(dtype)
+
+
+def _block_of(start):
+    """The row block where a chunk starts; chunks must start on a block boundary."""
+    rows = _state["module"].lib.NORMS_BLOCK_ROWS
+    if start % rows:
+        raise RuntimeError(f"chunk starts at row {start}, not a multiple of {rows}")
+    return start // rows
 
 
 def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
-    """Forward with the compiled kernel (float32/float64): one C call per chunk of rows."""
-    m, n = x.shape
-    fn = kernels.function("layer_norm_fwd", x.dtype)
-    x = kernels.rows_for_kernel(x, x.dtype)
-    weight, bias = (None if p is None else np.ascontiguousarray(p) for p in (weight, bias))
-    y = np.empty((m, n), dtype=x.dtype)
-    mean = np.empty(m, dtype=x.dtype)
-    rstd = np.empty(m, dtype=x.dtype)
+    """LayerNorm forward of rows ``x`` (M, D), float32 or float64: ``(y, mean, rstd)``.
 
-    def chunk(start, stop, _rows):
-        if stop > start:
-            fn(kernels.ptr(x, start), kernels.ld(x), kernels.ptr(y, start), n, kernels.ptr(mean, start),
-               kernels.ptr(rstd, start), kernels.ptr(weight), kernels.ptr(bias), stop - start, n, eps)
+    ``weight``/``bias`` (D,) or None; ``threads`` defaults to the cores available.
+    """
+    m, n = x.shape
+    fn = _c_function("layer_norm_forward", x.dtype)
+    x = _rows(x, x.dtype)
+    weight, bias = _vector(weight, n, x.dtype, 1), _vector(bias, n, x.dtype, 0)
+    y = np.empty((m, n), dtype=x.dtype)  # (M, D)
+    mean, rstd = np.empty(m, dtype=x.dtype), np.empty(m, dtype=x.dtype)  # (M,)
+    p_x, p_w, p_b = _pointer(x), _pointer(weight), _pointer(bias)
+    p_y, p_mean, p_rstd = (_pointer(a, writable=True) for a in (y, mean, rstd))
+    ld = _ld(x)
+
+    def chunk(start, stop, _block_rows):
+        fn(p_x + start * ld, ld, p_w, p_b, p_y + start * n, p_mean + start, p_rstd + start,
+           stop - start, n, eps)
 
     run_chunks(m, n, chunk, block_rows=1, threads=threads)
     return y, mean, rstd
 
 
 def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
-    """Backward with the compiled kernel; parameter gradients summed chunk by chunk, in order."""
+    """LayerNorm backward of rows (M, D), float32 or float64: ``(dx, dweight, dbias)``."""
     m, n = x.shape
-    fn = kernels.function("layer_norm_bwd", x.dtype)
-    x = kernels.rows_for_kernel(x, x.dtype)
-    dy = kernels.rows_for_kernel(dy, x.dtype)
-    mean, rstd = np.ascontiguousarray(mean), np.ascontiguousarray(rstd)
-    weight = None if weight is None else np.ascontiguousarray(weight)
-    dx = np.empty((m, n), dtype=x.dtype)
+    fn = _c_function("layer_norm_backward", x.dtype)
+    x, dy = _rows(x, x.dtype), _rows(dy, x.dtype)
+    mean, rstd = (np.ascontiguousarray(a, dtype=x.dtype) for a in (mean, rstd))  # (M,)
+    weight = _vector(weight, n, x.dtype, 1)
+    dx = np.empty((m, n), dtype=x.dtype)  # (M, D)
+    dweight, dbias = _column_blocks(m, n), _column_blocks(m, n)  # (blocks, D) float64
+    p_dy, p_x, p_mean, p_rstd, p_w = (_pointer(a) for a in (dy, x, mean, rstd, weight))
+    p_dx, p_dw, p_db = (_pointer(a, writable=True) for a in (dx, dweight, dbias))
+    ld_dy, ld_x = _ld(dy), _ld(x)
 
-    def chunk(start, stop, _rows):
-        dweight, dbias = np.zeros(n, dtype=x.dtype), np.zeros(n, dtype=x.dtype)
-        if stop > start:
-            fn(kernels.ptr(dy, start), kernels.ld(dy), kernels.ptr(x, start), kernels.ld(x),
-               kernels.ptr(mean, start), kernels.ptr(rstd, start), kernels.ptr(weight),
-               kernels.ptr(dx, start), n, kernels.ptr(dweight), kernels.ptr(dbias), stop - start, n)
-        return dweight, dbias
+    def chunk(start, stop, _block_rows):
+        b = _block_of(start)
+        fn(p_dy + start * ld_dy, ld_dy, p_x + start * ld_x, ld_x, p_mean + start,
+           p_rstd + start, p_w, p_dx + start * n, p_dw + b * n, p_db + b * n, stop - start, n)
 
-    parts = run_chunks(m, n, chunk, block_rows=1, threads=threads)
-    return (dx, *sum_chunks(parts))
+    run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
+    return dx, _column_total(dweight, x.dtype), _column_total(dbias, x.dtype)
+
 
 def rms_norm_forward_rows(x, weight, eps, *, threads=None):
-    """Forward with the compiled kernel (float32/float64): one C call per chunk of rows."""
+    """RMSNorm forward of rows ``x`` (M, D), float32 or float64: ``(y, rstd)``."""
     m, n = x.shape
-    fn = kernels.function("rms_norm_fwd", x.dtype)
-    x = kernels.rows_for_kernel(x, x.dtype)
-    weight = None if weight is None else np.ascontiguousarray(weight)
-    y = np.empty((m, n), dtype=x.dtype)
-    rstd = np.empty(m, dtype=x.dtype)
+    fn = _c_function("rms_norm_forward", x.dtype)
+    x = _rows(x, x.dtype)
+    weight = _vector(weight, n, x.dtype, 1)
+    y, rstd = np.empty((m, n), dtype=x.dtype), np.empty(m, dtype=x.dtype)  # (M, D), (M,)
+    p_x, p_w = _pointer(x), _pointer(weight)
+    p_y, p_rstd = _pointer(y, writable=True), _pointer(rstd, writable=True)
+    ld = _ld(x)
 
-    def chunk(start, stop, _rows):
-        if stop > start:
-            fn(kernels.ptr(x, start), kernels.ld(x), kernels.ptr(y, start), n, kernels.ptr(rstd, start),
-               kernels.ptr(weight), stop - start, n, eps)
+    def chunk(start, stop, _block_rows):
+        fn(p_x + start * ld, ld, p_w, p_y + start * n, p_rstd + start, stop - start, n, eps)
 
     run_chunks(m, n, chunk, block_rows=1, threads=threads)
     return y, rstd
 
 
 def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None):
-    """Backward with the compiled kernel; dweight summed chunk by chunk, in order."""
+    """RMSNorm backward of rows (M, D), float32 or float64: ``(dx, dweight)``."""
     m, n = x.shape
-    fn = kernels.function("rms_norm_bwd", x.dtype)
-    x = kernels.rows_for_kernel(x, x.dtype)
-    dy = kernels.rows_for_kernel(dy, x.dtype)
-    rstd = np.ascontiguousarray(rstd)
-    weight = None if weight is None else np.ascontiguousarray(weight)
-    dx = np.empty((m, n), dtype=x.dtype)
+    fn = _c_function("rms_norm_backward", x.dtype)
+    x, dy = _rows(x, x.dtype), _rows(dy, x.dtype)
+    rstd = np.ascontiguousarray(rstd, dtype=x.dtype)  # (M,)
+    weight = _vector(weight, n, x.dtype, 1)
+    dx = np.empty((m, n), dtype=x.dtype)  # (M, D)
+    dweight = _column_blocks(m, n)  # (blocks, D) float64
+    p_dy, p_x, p_rstd, p_w = (_pointer(a) for a in (dy, x, rstd, weight))
+    p_dx, p_dw = _pointer(dx, writable=True), _pointer(dweight, writable=True)
+    ld_dy, ld_x = _ld(dy), _ld(x)
 
-    def chunk(start, stop, _rows):
-        dweight = np.zeros(n, dtype=x.dtype)
-        if stop > start:
-            fn(kernels.ptr(dy, start), kernels.ld(dy), kernels.ptr(x, start), kernels.ld(x),
-               kernels.ptr(rstd, start), kernels.ptr(weight), kernels.ptr(dx, start), n,
-               kernels.ptr(dweight), stop - start, n)
-        return (dweight,)
+    def chunk(start, stop, _block_rows):
+        b = _block_of(start)
+        fn(p_dy + start * ld_dy, ld_dy, p_x + start * ld_x, ld_x, p_rstd + start, p_w,
+           p_dx + start * n, p_dw + b * n, stop - start, n)
 
-    parts = run_chunks(m, n, chunk, block_rows=1, threads=threads)
-    return (dx, *sum_chunks(parts))
+    run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
+    return dx, _column_total(dweight, x.dtype)

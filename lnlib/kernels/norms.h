@@ -1,0 +1,53 @@
+/* Row-wise LayerNorm and RMSNorm on the CPU, forward and backward: the functions that
+ * lnlib/_cpu/kernels.py calls. cffi reads the declarations below (lines starting with '#'
+ * are dropped) to build the binding, and norms_cpu.c includes this file, so the compiler
+ * checks that the definitions and the binding agree.
+ *
+ * Shapes (m rows of n elements; the suffix _f32 or _f64 is the element type T):
+ *   x, dy          (m, n)  rows ldx, lddy elements apart (ldx, lddy >= n)
+ *   y, dx          (m, n)  contiguous
+ *   mean, rstd     (m,)
+ *   weight, bias   (n,)    never NULL: the binding passes ones and zeros when absent
+ *   dweight_blocks, dbias_blocks  (ceil(m / NORMS_BLOCK_ROWS), n) float64, zero on entry:
+ *                  row block b gets the column sums of its rows; sum_blocks_pairwise adds
+ *                  the blocks, so the totals do not depend on how the rows were split
+ *                  among threads (a split must fall on a multiple of NORMS_BLOCK_ROWS).
+ */
+#ifndef LNLIB_NORMS_H
+#define LNLIB_NORMS_H
+#include <stddef.h>
+
+enum { NORMS_BLOCK_ROWS = 128 };
+
+void layer_norm_forward_f32(const float *x, ptrdiff_t ldx, const float *weight,
+                            const float *bias, float *y, float *mean, float *rstd,
+                            ptrdiff_t m, ptrdiff_t n, double eps);
+void layer_norm_forward_f64(const double *x, ptrdiff_t ldx, const double *weight,
+                            const double *bias, double *y, double *mean, double *rstd,
+                            ptrdiff_t m, ptrdiff_t n, double eps);
+
+void layer_norm_backward_f32(const float *dy, ptrdiff_t lddy, const float *x, ptrdiff_t ldx,
+                             const float *mean, const float *rstd, const float *weight,
+                             float *dx, double *dweight_blocks, double *dbias_blocks,
+                             ptrdiff_t m, ptrdiff_t n);
+void layer_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *x, ptrdiff_t ldx,
+                             const double *mean, const double *rstd, const double *weight,
+                             double *dx, double *dweight_blocks, double *dbias_blocks,
+                             ptrdiff_t m, ptrdiff_t n);
+
+void rms_norm_forward_f32(const float *x, ptrdiff_t ldx, const float *weight, float *y,
+                          float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
+void rms_norm_forward_f64(const double *x, ptrdiff_t ldx, const double *weight, double *y,
+                          double *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
+
+void rms_norm_backward_f32(const float *dy, ptrdiff_t lddy, const float *x, ptrdiff_t ldx,
+                           const float *rstd, const float *weight, float *dx,
+                           double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
+void rms_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *x, ptrdiff_t ldx,
+                           const double *rstd, const double *weight, double *dx,
+                           double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
+
+/* Adds the rows of blocks (nblocks, n) pairwise, in a fixed order; the total ends in row 0. */
+void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n);
+
+#endif

@@ -1,0 +1,198 @@
+/* The kernels over one element type T, included by norms_cpu.c once per type with
+ *   T       float or double
+ *   FN(f)   the name f with the type's suffix (f_f32 or f_f64)
+ * Sums over a row: LANES partial sums in T within a block of BLOCK elements, then the block
+ * totals in float64, added pairwise (see norms_cpu.c).
+ */
+
+/* The LANES partial sums of a block, added pairwise in float64. */
+static double FN(lanes_total)(const T *acc)
+{
+    double s[LANES];
+    for (int k = 0; k < LANES; k++)
+        s[k] = acc[k];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int k = 0; k < w; k++)
+            s[k] += s[k + w];
+    return s[0];
+}
+
+/* Sum of (x[i] - shift) over one block (n <= BLOCK). */
+static double FN(block_sum)(const T *x, ptrdiff_t n, T shift)
+{
+    T acc[LANES] = {0};
+    ptrdiff_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++)
+            acc[k] += x[i + k] - shift;
+    for (int k = 0; i < n; i++, k++)
+        acc[k] += x[i] - shift;
+    return FN(lanes_total)(acc);
+}
+
+/* Sum of (x[i] - shift)^2 over one block. */
+static double FN(block_sum_sq)(const T *x, ptrdiff_t n, T shift)
+{
+    T acc[LANES] = {0};
+    ptrdiff_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            T d = x[i + k] - shift;
+            acc[k] += d * d;
+        }
+    for (int k = 0; i < n; i++, k++) {
+        T d = x[i] - shift;
+        acc[k] += d * d;
+    }
+    return FN(lanes_total)(acc);
+}
+
+/* Sums of g[i] = dy[i] * weight[i] and of g[i] * (x[i] - shift) over one block. */
+static void FN(block_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift,
+                             double *sum_g, double *sum_gxc)
+{
+    T acc_g[LANES] = {0}, acc_gxc[LANES] = {0};
+    ptrdiff_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            T g = dy[i + k] * weight[i + k];
+            acc_g[k] += g;
+            acc_gxc[k] += g * (x[i + k] - shift);
+        }
+    for (int k = 0; i < n; i++, k++) {
+        T g = dy[i] * weight[i];
+        acc_g[k] += g;
+        acc_gxc[k] += g * (x[i] - shift);
+    }
+    *sum_g = FN(lanes_total)(acc_g);
+    *sum_gxc = FN(lanes_total)(acc_gxc);
+}
+
+static double FN(row_sum)(const T *x, ptrdiff_t n, T shift)
+{
+    struct pairwise s;
+    s.count = 0;
+    for (ptrdiff_t i = 0; i < n; i += BLOCK)
+        pairwise_add(&s, FN(block_sum)(x + i, block_len(i, n), shift));
+    return pairwise_total(&s);
+}
+
+static double FN(row_sum_sq)(const T *x, ptrdiff_t n, T shift)
+{
+    struct pairwise s;
+    s.count = 0;
+    for (ptrdiff_t i = 0; i < n; i += BLOCK)
+        pairwise_add(&s, FN(block_sum_sq)(x + i, block_len(i, n), shift));
+    return pairwise_total(&s);
+}
+
+/* Both sums of block_sums_g over a row, in one pass. */
+static void FN(row_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift,
+                           double *sum_g, double *sum_gxc)
+{
+    struct pairwise s_g, s_gxc;
+    s_g.count = s_gxc.count = 0;
+    for (ptrdiff_t i = 0; i < n; i += BLOCK) {
+        double g, gxc;
+        FN(block_sums_g)(dy + i, weight + i, x + i, block_len(i, n), shift, &g, &gxc);
+        pairwise_add(&s_g, g);
+        pairwise_add(&s_gxc, gxc);
+    }
+    *sum_g = pairwise_total(&s_g);
+    *sum_gxc = pairwise_total(&s_gxc);
+}
+
+/* LayerNorm of one row: three passes for the statistics, one for y. Only the first pass
+ * reads x from memory; the row is in cache for the others. */
+static void FN(layer_norm_forward_row)(const T *x, const T *weight, const T *bias, T *y,
+                                       T *mean, T *rstd, ptrdiff_t n, double eps)
+{
+    T mu0 = (T)(FN(row_sum)(x, n, 0) / n);
+    /* corrected two-pass (Chan, Golub and LeVeque): the deviations' mean corrects mu0 */
+    T mu = (T)(mu0 + FN(row_sum)(x, n, mu0) / n);
+    double var = FN(row_sum_sq)(x, n, mu) / n;
+    T rs = (T)(1 / sqrt(var + eps));
+    for (ptrdiff_t i = 0; i < n; i++)
+        y[i] = (x[i] - mu) * rs * weight[i] + bias[i];
+    *mean = mu;
+    *rstd = rs;
+}
+
+/* dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy weight; adds dy xhat and dy to the
+ * row block's column sums. One pass for the two means, one for dx. */
+static void FN(layer_norm_backward_row)(const T *dy, const T *x, T mean, T rstd,
+                                        const T *weight, T *dx, double *dweight,
+                                        double *dbias, ptrdiff_t n)
+{
+    double sum_g, sum_gxc;
+    FN(row_sums_g)(dy, weight, x, n, mean, &sum_g, &sum_gxc);
+    T mean_g = (T)(sum_g / n);
+    T mean_gxhat = (T)(sum_gxc * rstd / n);
+    for (ptrdiff_t i = 0; i < n; i++) {
+        T xhat = (x[i] - mean) * rstd;
+        dx[i] = rstd * (dy[i] * weight[i] - mean_g - xhat * mean_gxhat);
+        dweight[i] += dy[i] * xhat;
+        dbias[i] += dy[i];
+    }
+}
+
+/* RMSNorm of one row: one pass for the mean square, one for y. */
+static void FN(rms_norm_forward_row)(const T *x, const T *weight, T *y, T *rstd, ptrdiff_t n,
+                                     double eps)
+{
+    T rs = (T)(1 / sqrt(FN(row_sum_sq)(x, n, 0) / n + eps));
+    for (ptrdiff_t i = 0; i < n; i++)
+        y[i] = x[i] * rs * weight[i];
+    *rstd = rs;
+}
+
+/* dx = rstd (g - xhat mean(g xhat)) with xhat = x rstd, g = dy weight; adds dy xhat to the
+ * row block's column sums. One pass for the mean, one for dx. */
+static void FN(rms_norm_backward_row)(const T *dy, const T *x, T rstd, const T *weight, T *dx,
+                                      double *dweight, ptrdiff_t n)
+{
+    double sum_g, sum_gx;
+    FN(row_sums_g)(dy, weight, x, n, 0, &sum_g, &sum_gx);
+    T mean_gxhat = (T)(sum_gx * rstd / n);
+    for (ptrdiff_t i = 0; i < n; i++) {
+        T xhat = x[i] * rstd;
+        dx[i] = rstd * (dy[i] * weight[i] - xhat * mean_gxhat);
+        dweight[i] += dy[i] * xhat;
+    }
+}
+
+void FN(layer_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight, const T *bias, T *y,
+                            T *mean, T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
+{
+    for (ptrdiff_t r = 0; r < m; r++)
+        FN(layer_norm_forward_row)(x + r * ldx, weight, bias, y + r * n, mean + r, rstd + r,
+                                   n, eps);
+}
+
+void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x, ptrdiff_t ldx,
+                             const T *mean, const T *rstd, const T *weight, T *dx,
+                             double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
+                             ptrdiff_t n)
+{
+    for (ptrdiff_t r = 0; r < m; r++) {
+        ptrdiff_t b = r / NORMS_BLOCK_ROWS;
+        FN(layer_norm_backward_row)(dy + r * lddy, x + r * ldx, mean[r], rstd[r], weight,
+                                    dx + r * n, dweight_blocks + b * n, dbias_blocks + b * n, n);
+    }
+}
+
+void FN(rms_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight, T *y, T *rstd,
+                          ptrdiff_t m, ptrdiff_t n, double eps)
+{
+    for (ptrdiff_t r = 0; r < m; r++)
+        FN(rms_norm_forward_row)(x + r * ldx, weight, y + r * n, rstd + r, n, eps);
+}
+
+void FN(rms_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x, ptrdiff_t ldx,
+                           const T *rstd, const T *weight, T *dx, double *dweight_blocks,
+                           ptrdiff_t m, ptrdiff_t n)
+{
+    for (ptrdiff_t r = 0; r < m; r++)
+        FN(rms_norm_backward_row)(dy + r * lddy, x + r * ldx, rstd[r], weight, dx + r * n,
+                                  dweight_blocks + (r / NORMS_BLOCK_ROWS) * n, n);
+}
