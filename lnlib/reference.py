@@ -2,7 +2,14 @@ r"""Readable reference implementations: the formulas of the book, a few lines ea
 
 These are the versions derived in the chapter "The math of LayerNorm"; the public functions in
 :mod:`lnlib` compute the same quantities faster and are tested against these. Arguments are
-the same as those of the public functions, but nothing is validated here.
+the same as those of the public functions, but nothing is validated here. The
+:mod:`lnlib._backend` selection point also runs them as the ``"reference"`` implementation
+(on NumPy or CuPy arrays).
+
+Notation of the book: a row is one slice over the normalized axes, of ``D`` values; ``N``
+rows; ``mean`` is :math:`\mu`, ``rstd`` is :math:`r = 1/\sqrt{\sigma^2 + \epsilon}`,
+``xhat`` is :math:`\hat{x} = (x - \mu)\,r`. Shapes in the comments: ``(N, D)`` stands for
+``(*lead, *norm)`` and ``(N,)`` for ``lead``.
 
 Statistics are accumulated in float32 for float16/float32 inputs and in float64 for float64;
 results come back in the dtype of ``x`` (parameter gradients in the dtype of the parameter).
@@ -21,19 +28,52 @@ def _expand(stat, k):
     return stat.reshape(stat.shape + (1,) * k)
 
 
+def layer_norm_dx(g, xhat, rstd, axes=None, means=None):
+    r"""The LayerNorm backward from :math:`\hat{x}`: the one copy of this formula in lnlib.
+
+    .. math::
+
+        dx = r\,\big(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\big),
+        \qquad g = dy\,\gamma,
+
+    the bars being means over the normalized values (the ``D`` values of a row for LayerNorm,
+    the ``m`` values of a channel for BatchNorm). Used by the reference, BatchNorm, the
+    recompute-from-output and sharded backwards, and AdaLN's reference backward.
+
+    Parameters
+    ----------
+    g, xhat : ndarray, same shape
+    rstd : ndarray, broadcastable against ``g`` (size-1 normalized axes)
+    axes : tuple of int, optional
+        The normalized axes the means run over, when ``means`` is None.
+    means : tuple of two ndarrays, optional
+        :math:`(\overline{g}, \overline{g\hat{x}})`, broadcastable against ``g``, when
+        they were computed elsewhere (summed over blocks or gathered from shards).
+
+    Returns
+    -------
+    ndarray, shape of ``g``
+    """
+    if means is None:
+        means = (g.mean(axis=axes, keepdims=True),  # (N, 1)
+                 (g * xhat).mean(axis=axes, keepdims=True))  # (N, 1)
+    g_mean, gxhat_mean = means
+    return rstd * (g - g_mean - xhat * gxhat_mean)  # (N, D)
+
+
 def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1):
     """LayerNorm forward: y = (x - mean) * rstd * weight + bias; returns (y, mean, rstd)."""
     k = normalized_ndim
-    xa = x.astype(accumulation_dtype(x.dtype))
-    mean = xa.mean(axis=_last_axes(x.ndim, k))
-    xc = xa - _expand(mean, k)
-    var = (xc * xc).mean(axis=_last_axes(x.ndim, k))  # biased variance, two passes
-    rstd = 1 / (var + eps) ** 0.5
-    y = xc * _expand(rstd, k)
+    xa = x.astype(accumulation_dtype(x.dtype))  # (N, D)
+    mean = xa.mean(axis=_last_axes(x.ndim, k))  # (N,)
+    xc = xa - _expand(mean, k)  # (N, D)
+    var = (xc * xc).mean(axis=_last_axes(x.ndim, k))  # (N,) biased variance, two passes
+    rstd = 1 / (var + eps) ** 0.5  # (N,)
+    y = xc * _expand(rstd, k)  # (N, D) xhat
     if weight is not None:
-        y = y * weight.astype(xa.dtype)
+        y = y * weight.astype(xa.dtype)  # (N, D) weight (D,)
     if bias is not None:
-        y = y + bias.astype(xa.dtype)
+        y = y + bias.astype(xa.dtype)  # (N, D) bias (D,)
     return y.astype(x.dtype), mean, rstd
 
 
@@ -42,26 +82,24 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None):
     k = x.ndim - mean.ndim
     axes, rows = _last_axes(x.ndim, k), tuple(range(mean.ndim))
     acc = mean.dtype
-    xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)
-    dya = dy.astype(acc)
-    g = dya if weight is None else dya * weight.astype(acc)
-    dx = _expand(rstd, k) * (
-        g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True)
-    )
+    xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)  # (N, D)
+    dya = dy.astype(acc)  # (N, D)
+    g = dya if weight is None else dya * weight.astype(acc)  # (N, D)
+    dx = layer_norm_dx(g, xhat, _expand(rstd, k), axes)  # (N, D)
     pdtype = x.dtype if weight is None else weight.dtype
-    dweight = (dya * xhat).sum(axis=rows).astype(pdtype)
-    dbias = dya.sum(axis=rows).astype(pdtype)
+    dweight = (dya * xhat).sum(axis=rows).astype(pdtype)  # (D,)
+    dbias = dya.sum(axis=rows).astype(pdtype)  # (D,)
     return dx.astype(x.dtype), dweight, dbias
 
 
 def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1):
     """RMSNorm forward: y = x * rstd * weight with rstd = 1 / sqrt(mean(x^2) + eps)."""
     k = normalized_ndim
-    xa = x.astype(accumulation_dtype(x.dtype))
-    rstd = 1 / ((xa * xa).mean(axis=_last_axes(x.ndim, k)) + eps) ** 0.5
-    y = xa * _expand(rstd, k)
+    xa = x.astype(accumulation_dtype(x.dtype))  # (N, D)
+    rstd = 1 / ((xa * xa).mean(axis=_last_axes(x.ndim, k)) + eps) ** 0.5  # (N,)
+    y = xa * _expand(rstd, k)  # (N, D) xhat
     if weight is not None:
-        y = y * weight.astype(xa.dtype)
+        y = y * weight.astype(xa.dtype)  # (N, D) weight (D,)
     return y.astype(x.dtype), rstd
 
 
@@ -70,20 +108,21 @@ def rms_norm_backward(dy, x, rstd, weight=None):
     k = x.ndim - rstd.ndim
     axes, rows = _last_axes(x.ndim, k), tuple(range(rstd.ndim))
     acc = rstd.dtype
-    xhat = x.astype(acc) * _expand(rstd, k)
-    dya = dy.astype(acc)
-    g = dya if weight is None else dya * weight.astype(acc)
-    dx = _expand(rstd, k) * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    xhat = x.astype(acc) * _expand(rstd, k)  # (N, D)
+    dya = dy.astype(acc)  # (N, D)
+    g = dya if weight is None else dya * weight.astype(acc)  # (N, D)
+    gxhat_mean = (g * xhat).mean(axis=axes, keepdims=True)  # (N, 1)
+    dx = _expand(rstd, k) * (g - xhat * gxhat_mean)  # (N, D)
     pdtype = x.dtype if weight is None else weight.dtype
-    return dx.astype(x.dtype), (dya * xhat).sum(axis=rows).astype(pdtype)
+    return dx.astype(x.dtype), (dya * xhat).sum(axis=rows).astype(pdtype)  # (N, D), (D,)
 
 
 def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
     """AdaLN forward (DiT modulation): y = LN(x) * (1 + scale) + shift; returns (y, mean, rstd)."""
-    xhat, mean, rstd = layer_norm_forward(
+    xhat, mean, rstd = layer_norm_forward(  # (N, D), (N,), (N,)
         x.astype(accumulation_dtype(x.dtype)), eps=eps, normalized_ndim=normalized_ndim
     )
-    y = xhat * (1 + scale.astype(xhat.dtype)) + shift.astype(xhat.dtype)
+    y = xhat * (1 + scale.astype(xhat.dtype)) + shift.astype(xhat.dtype)  # (N, D)
     return y.astype(x.dtype), mean, rstd
 
 
@@ -91,12 +130,12 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     """AdaLN backward: dshift = sum dy, dscale = sum dy * xhat, dx = LN backward of dy * (1 + scale)."""
     k = x.ndim - mean.ndim
     acc = mean.dtype
-    xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)
-    dya = dy.astype(acc)
-    g = dya * (1 + scale.astype(acc))
-    dx, _, _ = layer_norm_backward(g, x.astype(acc), mean, rstd)
+    xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)  # (N, D)
+    dya = dy.astype(acc)  # (N, D)
+    g = dya * (1 + scale.astype(acc))  # (N, D)
+    dx, _, _ = layer_norm_backward(g, x.astype(acc), mean, rstd)  # (N, D)
     dshift = sum_to_shape(dya, scale.shape if shift_shape is None else shift_shape)
-    dscale = sum_to_shape(dya * xhat, scale.shape)
+    dscale = sum_to_shape(dya * xhat, scale.shape)  # shape of scale
     return dx.astype(x.dtype), dshift.astype(scale.dtype), dscale.astype(scale.dtype)
 
 
@@ -111,22 +150,22 @@ def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *,
     acc = accumulation_dtype(x.dtype)
     axes = (0,) + tuple(range(2, x.ndim))
     shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
-    xa = x.astype(acc)
+    xa = x.astype(acc)  # (N, C, ...)
     if training:
-        mean = xa.mean(axis=axes)
-        var = ((xa - mean.reshape(shape)) ** 2).mean(axis=axes)
+        mean = xa.mean(axis=axes)  # (C,)
+        var = ((xa - mean.reshape(shape)) ** 2).mean(axis=axes)  # (C,)
         if running_mean is not None:
-            n = x.size // x.shape[1]
+            m = x.size // x.shape[1]
             running_mean[...] = (1 - momentum) * running_mean + momentum * mean
-            running_var[...] = (1 - momentum) * running_var + momentum * var * n / (n - 1)
+            running_var[...] = (1 - momentum) * running_var + momentum * var * m / (m - 1)
     else:
         mean, var = xp.asarray(running_mean, dtype=acc), xp.asarray(running_var, dtype=acc)
-    rstd = 1 / (var + eps) ** 0.5
-    y = (xa - mean.reshape(shape)) * rstd.reshape(shape)
+    rstd = 1 / (var + eps) ** 0.5  # (C,)
+    y = (xa - mean.reshape(shape)) * rstd.reshape(shape)  # (N, C, ...)
     if weight is not None:
-        y = y * weight.astype(acc).reshape(shape)
+        y = y * weight.astype(acc).reshape(shape)  # (N, C, ...)
     if bias is not None:
-        y = y + bias.astype(acc).reshape(shape)
+        y = y + bias.astype(acc).reshape(shape)  # (N, C, ...)
     return y.astype(x.dtype), mean, rstd
 
 
@@ -135,17 +174,17 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     axes = (0,) + tuple(range(2, x.ndim))
     shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
     acc = mean.dtype
-    xhat = (x.astype(acc) - mean.reshape(shape)) * rstd.reshape(shape)
-    dya = dy.astype(acc)
-    g = dya if weight is None else dya * weight.astype(acc).reshape(shape)
+    xhat = (x.astype(acc) - mean.reshape(shape)) * rstd.reshape(shape)  # (N, C, ...)
+    dya = dy.astype(acc)  # (N, C, ...)
+    g = dya if weight is None else dya * weight.astype(acc).reshape(shape)  # (N, C, ...)
     if training:
-        g = g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True)
-    dx = g * rstd.reshape(shape)
+        dx = layer_norm_dx(g, xhat, rstd.reshape(shape), axes)  # (N, C, ...)
+    else:
+        dx = g * rstd.reshape(shape)  # (N, C, ...): the statistics are constants
     pdtype = x.dtype if weight is None else weight.dtype
-    dweight = (dya * xhat).sum(axis=axes).astype(pdtype)
-    dbias = dya.sum(axis=axes).astype(pdtype)
+    dweight = (dya * xhat).sum(axis=axes).astype(pdtype)  # (C,)
+    dbias = dya.sum(axis=axes).astype(pdtype)  # (C,)
     return dx.astype(x.dtype), dweight, dbias
-
 
 def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     """GroupNorm forward over (N, C, ...): LayerNorm of each group of C/G channels (and every
