@@ -74,5 +74,12 @@ lock:
 	  _build/lockvenv/bin/python -m pip freeze --all | grep -v '^pip==' ) > $(LOCK)
 	rm -rf _build/lockvenv
 
+# On a machine with an NVIDIA GPU: the GPU tests (LNLIB_REQUIRE_GPU=1), compute-sanitizer
+# memcheck/racecheck and the GPU benchmark; logs and JSON in $(GPU_OUT). Needs no .venv.
+GPU_OUT ?= _build/gpu
+.PHONY: gpu-check
+gpu-check:
+	GPU_OUT=$(GPU_OUT) bash tools/gpu_check.sh
+
 clean:
 	rm -rf _build

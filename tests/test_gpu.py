@@ -1,47 +1,284 @@
-"""The public functions on CuPy arrays agree with NumPy. Needs a CUDA GPU; skipped otherwise."""
+"""lnlib's CUDA kernels on CuPy arrays (lnlib._cuda): against the float64 reference, against
+torch on CUDA, bitwise batch invariance and determinism, strided inputs, every dtype.
+
+Needs CuPy and a CUDA GPU: every test is skipped with the reason when either is missing, and
+fails instead when ``LNLIB_REQUIRE_GPU=1`` (``make gpu-check`` sets it), so a GPU machine
+cannot pass this file without running it.
+"""
+
+import os
 
 import numpy as np
 import pytest
 
 import lnlib
+from lnlib import _backend, reference
+
+REQUIRE = os.environ.get("LNLIB_REQUIRE_GPU", "") == "1"
 
 
-def _cupy_with_gpu():
+def _find_gpu():
     try:
         import cupy
-    except ImportError:
-        return None
+    except ImportError as exc:
+        return None, f"needs CuPy and a CUDA GPU: CuPy is not installed ({exc})"
     try:
-        return cupy if cupy.cuda.is_available() else None
-    except Exception:  # noqa: BLE001 - a broken CUDA install means no GPU for these tests
-        return None
+        if cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy, "ok"
+    except Exception as exc:  # noqa: BLE001 - a broken driver means no GPU for these tests
+        return None, f"needs a CUDA GPU: CuPy cannot reach the driver ({exc})"
+    return None, "needs a CUDA GPU: CuPy sees none"
 
 
-cp = _cupy_with_gpu()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs CuPy and a CUDA GPU")]
+cp, REASON = _find_gpu()
+pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
-def test_layer_and_rms_norm_on_gpu_match_numpy(rng, dtype):
-    x = rng.standard_normal((64, 3, 40)).astype(dtype)
-    w = rng.standard_normal((3, 40)).astype(dtype)
-    b = rng.standard_normal((3, 40)).astype(dtype)
-    dy = rng.standard_normal(x.shape).astype(dtype)
-    tol = {np.float64: 1e-12, np.float32: 1e-5, np.float16: 5e-3}[dtype]
-    host = lnlib.layer_norm_forward(x, w, b, normalized_ndim=2)
-    dev = lnlib.layer_norm_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b), normalized_ndim=2)
-    for h, d in zip(host, dev):
-        assert isinstance(d, cp.ndarray) and d.dtype == h.dtype
-        np.testing.assert_allclose(cp.asnumpy(d).astype(float), h.astype(float), atol=tol * 10, rtol=tol)
-    hb = lnlib.layer_norm_backward(dy, x, *host[1:], w)
-    db = lnlib.layer_norm_backward(cp.asarray(dy), cp.asarray(x), *dev[1:], cp.asarray(w))
-    for h, d in zip(hb, db):
-        np.testing.assert_allclose(cp.asnumpy(d).astype(float), h.astype(float), atol=tol * 1000, rtol=tol * 10)
-    hy, hr = lnlib.rms_norm_forward(x, w, normalized_ndim=2)
-    dyv, dr = lnlib.rms_norm_forward(cp.asarray(x), cp.asarray(w), normalized_ndim=2)
-    np.testing.assert_allclose(cp.asnumpy(dyv).astype(float), hy.astype(float), atol=tol * 10, rtol=tol)
+@pytest.fixture(autouse=True)
+def _gpu_present():
+    if cp is None:
+        if REQUIRE:
+            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but the test {REASON}")
+        pytest.skip(REASON)
 
 
-def test_mixing_numpy_and_cupy_is_a_type_error():
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        message = "needs torch with CUDA"
+        if REQUIRE:
+            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but the test {message}")
+        pytest.skip(message)
+    return torch
+
+
+DTYPES = [np.float32, np.float16, np.float64]
+#: Largest error allowed against the float64 reference, relative to the values' scale.
+TOL = {np.float64: 1e-11, np.float32: 1e-5, np.float16: 2e-3}
+#: Row lengths: 1, odd and prime sizes, one warp's worth and around it, the usual widths, a
+#: row of several tiles (65536) and 2^20.
+LENGTHS = [1, 3, 31, 33, 127, 768, 1001, 4096, 4099, 65536, 2**20]
+
+
+def _shape(d):
+    return max(2, min(48, 2**21 // d)), d
+
+
+def _close(got, want, dtype, factor=1.0, what=""):
+    got = cp.asnumpy(got).astype(np.float64) if isinstance(got, cp.ndarray) else got
+    want = cp.asnumpy(want).astype(np.float64) if isinstance(want, cp.ndarray) else want
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
+    err = float(np.max(np.abs(got - want), initial=0.0))
+    tol = TOL[dtype] * factor * scale
+    assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} ({np.dtype(dtype).name})"
+
+
+def _data(rng, shape, dtype, shift=0.0):
+    return (rng.standard_normal(shape) + shift).astype(dtype)
+
+
+def _same_bits(a, b, what):
+    a, b = cp.asnumpy(a), cp.asnumpy(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert a.tobytes() == b.tobytes(), f"{what}: not bitwise equal"
+
+
+def test_cupy_input_selects_the_cuda_kernels():
+    from lnlib._cuda import rows
+
+    assert rows.available()[0], rows.available()[1]
+    for op in _backend.OPS:
+        assert _backend.select(op, cp, np.float32) is getattr(rows, f"{op}_rows")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", LENGTHS)
+def test_layer_norm_against_float64_reference(rng, dtype, d):
+    shape = _shape(d)
+    x = _data(rng, shape, dtype, shift=3.0)  # a mean far from zero tests the variance
+    w, b = _data(rng, d, dtype), _data(rng, d, dtype)
+    dy = _data(rng, shape, dtype)
+    x64, w64, b64, dy64 = (a.astype(np.float64) for a in (x, w, b, dy))
+    y_ref, mean_ref, rstd_ref = reference.layer_norm_forward(x64, w64, b64, eps=1e-5)
+    ref_back = reference.layer_norm_backward(dy64, x64, mean_ref, rstd_ref, w64)
+    with lnlib.use_implementation("cuda"):
+        y, mean, rstd = lnlib.layer_norm_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b))
+        back = lnlib.layer_norm_backward(cp.asarray(dy), cp.asarray(x), mean, rstd, cp.asarray(w))
+    assert isinstance(y, cp.ndarray) and y.dtype == dtype
+    _close(y, y_ref, dtype, 4, "y")
+    _close(mean, mean_ref, dtype, 4, "mean")
+    _close(rstd, rstd_ref, dtype, 4, "rstd")
+    # Backward from the reference's statistics of x as given (the kernel gets its own).
+    for got, want, name, f in zip(back, ref_back, ("dx", "dweight", "dbias"), (40, 400, 400)):
+        assert got.dtype == dtype
+        _close(got, want, dtype, f, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", LENGTHS)
+def test_rms_norm_against_float64_reference(rng, dtype, d):
+    shape = _shape(d)
+    x, w, dy = _data(rng, shape, dtype, 1.0), _data(rng, d, dtype), _data(rng, shape, dtype)
+    x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
+    y_ref, rstd_ref = reference.rms_norm_forward(x64, w64, eps=1e-6)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy64, x64, rstd_ref, w64)
+    with lnlib.use_implementation("cuda"):
+        y, rstd = lnlib.rms_norm_forward(cp.asarray(x), cp.asarray(w))
+        dx, dw = lnlib.rms_norm_backward(cp.asarray(dy), cp.asarray(x), rstd, cp.asarray(w))
+    _close(y, y_ref, dtype, 4, "y")
+    _close(rstd, rstd_ref, dtype, 4, "rstd")
+    _close(dx, dx_ref, dtype, 40, "dx")
+    _close(dw, dw_ref, dtype, 400, "dweight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 5, 768, 4096, 65536])
+def test_without_weight_and_bias(rng, dtype, d):
+    x, dy = _data(rng, _shape(d), dtype), _data(rng, _shape(d), dtype)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    y_ref, mean_ref, rstd_ref = reference.layer_norm_forward(x64)
+    ref_back = reference.layer_norm_backward(dy64, x64, mean_ref, rstd_ref)
+    y, mean, rstd = lnlib.layer_norm_forward(cp.asarray(x))
+    back = lnlib.layer_norm_backward(cp.asarray(dy), cp.asarray(x), mean, rstd)
+    _close(y, y_ref, dtype, 4, "y")
+    for got, want, name in zip(back, ref_back, ("dx", "dweight", "dbias")):
+        _close(got, want, dtype, 400, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 33, 768, 4096, 4099, 65536])
+def test_bitwise_batch_invariance(rng, dtype, d):
+    """A row's outputs are bitwise the same alone, in a small batch and in a large one."""
+    m = max(8, min(600, 2**22 // d))
+    x, dy, w = _data(rng, (m, d), dtype), _data(rng, (m, d), dtype), _data(rng, d, dtype)
+    xg, dyg, wg = cp.asarray(x), cp.asarray(dy), cp.asarray(w)
+    full = lnlib.layer_norm_forward(xg, wg, wg)
+    full_b = lnlib.layer_norm_backward(dyg, xg, full[1], full[2], wg)
+    rms = lnlib.rms_norm_forward(xg, wg)
+    for lo, hi in ((0, 1), (3, 7), (m - 5, m)):
+        part = lnlib.layer_norm_forward(xg[lo:hi], wg, wg)
+        for a, b, name in zip(part, full, ("y", "mean", "rstd")):
+            _same_bits(a, b[lo:hi], f"{name} rows {lo}:{hi}")
+        dx = lnlib.layer_norm_backward(dyg[lo:hi], xg[lo:hi], part[1], part[2], wg)[0]
+        _same_bits(dx, full_b[0][lo:hi], f"dx rows {lo}:{hi}")
+        _same_bits(lnlib.rms_norm_forward(xg[lo:hi], wg)[0], rms[0][lo:hi], "rms y")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [8, 768, 4096, 65536])
+def test_strided_and_misaligned_inputs_give_the_same_bits(rng, dtype, d):
+    """Rows in a wider array (read in place), every other column (copied), and rows that
+    start one element off a 16-byte boundary (element-wise loads) all give the contiguous
+    result bit for bit."""
+    m = max(4, min(64, 2**20 // d))
+    x = _data(rng, (m, d), dtype)
+    w = _data(rng, d, dtype)
+    want = lnlib.layer_norm_forward(cp.asarray(x), cp.asarray(w))
+    wide = cp.zeros((m, 2 * d + 1), dtype=dtype)
+    wide[:, 1:d + 1] = cp.asarray(x)  # row stride 2d+1, first element off alignment
+    every_other = cp.zeros((m, 2 * d), dtype=dtype)
+    every_other[:, ::2] = cp.asarray(x)
+    for view, name in ((wide[:, 1:d + 1], "offset rows"), (every_other[:, ::2], "strided")):
+        before = view.copy()
+        got = lnlib.layer_norm_forward(view, cp.asarray(w))
+        _same_bits(view, before, f"{name}: input modified")
+        for a, b, out in zip(got, want, ("y", "mean", "rstd")):
+            _same_bits(a, b, f"{name} {out}")
+    dy = _data(rng, (m, d), dtype)
+    back = lnlib.layer_norm_backward(cp.asarray(dy), cp.asarray(x), want[1], want[2],
+                                     cp.asarray(w))
+    back_view = lnlib.layer_norm_backward(cp.asarray(dy)[:, :], wide[:, 1:d + 1], want[1],
+                                          want[2], cp.asarray(w))
+    for a, b, out in zip(back_view, back, ("dx", "dweight", "dbias")):
+        _same_bits(a, b, f"offset rows {out}")
+
+
+@pytest.mark.parametrize("d", [768, 4096, 65536])
+def test_parameter_gradients_are_deterministic(rng, d):
+    """No atomics: the same call gives the same dweight and dbias bits every time."""
+    m = 2**22 // d
+    x, dy, w = (cp.asarray(_data(rng, s, np.float32)) for s in ((m, d), (m, d), d))
+    y, mean, rstd = lnlib.layer_norm_forward(x, w)
+    first = lnlib.layer_norm_backward(dy, x, mean, rstd, w)
+    for _ in range(3):
+        again = lnlib.layer_norm_backward(dy, x, mean, rstd, w)
+        for a, b, name in zip(again, first, ("dx", "dweight", "dbias")):
+            _same_bits(a, b, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 33, 768, 4096, 65536])
+def test_against_torch_on_cuda(rng, dtype, d):
+    torch = _torch_cuda()
+    import torch.nn.functional as F
+
+    shape = _shape(d)
+    x, w, b, dy = (_data(rng, s, dtype) for s in (shape, d, d, shape))
+    xt, wt, bt = (torch.tensor(a, device="cuda", requires_grad=True) for a in (x, w, b))
+    yt = F.layer_norm(xt, (d,), wt, bt, 1e-5)
+    yt.backward(torch.tensor(dy, device="cuda"))
+    y, mean, rstd = lnlib.layer_norm_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b))
+    back = lnlib.layer_norm_backward(cp.asarray(dy), cp.asarray(x), mean, rstd, cp.asarray(w))
+    # Both round to the dtype: compare within a few of its rounding steps.
+    tol = 2 * {np.float64: 1e-11, np.float32: 1e-5, np.float16: 4e-3}[dtype]
+    pairs = ((y, yt), (back[0], xt.grad), (back[1], wt.grad), (back[2], bt.grad))
+    for (got, t), name, f in zip(pairs, ("y", "dx", "dweight", "dbias"), (2, 20, 200, 200)):
+        want = t.detach().double().cpu().numpy()
+        err = float(np.max(np.abs(cp.asnumpy(got).astype(np.float64) - want)))
+        scale = max(1.0, float(np.max(np.abs(want))))
+        assert err <= tol * f * scale, f"{name}: {err:.3g} vs torch"
+    xr = torch.tensor(x, device="cuda", requires_grad=True)
+    wr = torch.tensor(w, device="cuda", requires_grad=True)
+    yr = F.rms_norm(xr, (d,), wr, 1e-6)
+    yr.backward(torch.tensor(dy, device="cuda"))
+    y2, rstd2 = lnlib.rms_norm_forward(cp.asarray(x), cp.asarray(w))
+    dx2, dw2 = lnlib.rms_norm_backward(cp.asarray(dy), cp.asarray(x), rstd2, cp.asarray(w))
+    for got, t, name, f in ((y2, yr, "rms y", 2), (dx2, xr.grad, "rms dx", 20),
+                            (dw2, wr.grad, "rms dweight", 200)):
+        want = t.detach().double().cpu().numpy()
+        err = float(np.max(np.abs(cp.asnumpy(got).astype(np.float64) - want)))
+        assert err <= tol * f * max(1.0, float(np.max(np.abs(want)))), f"{name}: {err:.3g}"
+
+
+def test_dlpack_bridge_is_zero_copy(rng):
+    torch = _torch_cuda()
+    from lnlib._cuda import dlpack
+
+    t = torch.randn(16, 40, device="cuda")[:, :32]  # strided: no copy either
+    a = dlpack.to_cupy(t)
+    assert a.data.ptr == t.data_ptr() and a.shape == (16, 32)
+    assert dlpack.to_torch(a).data_ptr() == t.data_ptr()
+    with dlpack.torch_stream(t):
+        y = lnlib.layer_norm(a)
+    want = torch.nn.functional.layer_norm(t, (32,))
+    assert torch.allclose(dlpack.to_torch(y), want, atol=1e-5)
+    with pytest.raises(TypeError, match="CUDA tensor"):
+        dlpack.to_cupy(torch.ones(3))
+
+
+def test_empty_batch_and_mixed_libraries(rng):
+    x = cp.zeros((0, 7), dtype=cp.float32)
+    y, mean, rstd = lnlib.layer_norm_forward(x, cp.ones(7, cp.float32))
+    assert y.shape == (0, 7) and mean.shape == (0,)
     with pytest.raises(TypeError, match="different array libraries"):
         lnlib.layer_norm(cp.ones((2, 3)), np.ones(3))
+
+
+def test_bfloat16_rows_if_cupy_holds_them(rng):
+    try:
+        import ml_dtypes
+
+        x = cp.asarray(rng.standard_normal((8, 96)).astype(ml_dtypes.bfloat16))
+    except Exception as exc:  # noqa: BLE001 - CuPy builds without bfloat16 arrays
+        pytest.skip(f"CuPy cannot hold bfloat16 arrays here ({type(exc).__name__}: {exc})")
+    from lnlib._cuda import rows
+
+    y, mean, rstd = rows.layer_norm_forward_rows(x, None, None, 1e-5)
+    x64 = cp.asnumpy(x).astype(np.float64)
+    y_ref = reference.layer_norm_forward(x64)[0]
+    err = np.max(np.abs(cp.asnumpy(y).astype(np.float64) - y_ref))
+    assert err <= 2**-7 * max(1.0, np.max(np.abs(y_ref))), err

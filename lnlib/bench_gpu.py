@@ -1,0 +1,211 @@
+"""GPU benchmark: lnlib's CUDA kernels against torch on the same device, and the copy bound.
+
+``python -m lnlib.bench --gpu`` (or ``python -m lnlib.bench_gpu``) times, for row lengths D of
+768 to 65536 at about 2^27 elements per call, float32 and float16:
+
+* LayerNorm and RMSNorm forward, and forward + backward (parameter gradients included),
+  through lnlib's public functions on CuPy arrays (the CUDA kernels), and through
+  ``torch.nn.functional.layer_norm`` / ``rms_norm`` (autograd for the backward);
+* a device-to-device copy of 2^28 bytes, the bound a memory-bound kernel can approach.
+
+Bandwidth counts the bytes each pass must move: the forward reads x and writes y; the backward
+reads x and dy and writes dx (weights and per-row statistics are added too, though small).
+Each timing is a CUDA-event interval around ``--calls`` calls; the contenders alternate within
+every repeat and the median over repeats is reported. Every contender is checked against the
+other before it is timed. The JSON result is named after the GPU.
+
+Derived in the book, chapter "Implementation", section "GPU kernels".
+"""
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import lnlib
+
+WIDTHS = (768, 1024, 2048, 4096, 8192, 16384, 65536)
+ELEMENTS = 1 << 27
+COPY_BYTES = 1 << 28
+DEFAULT_DIR = Path("benchmarks") / "results"
+
+
+def _events(cp, fn, calls):
+    """Milliseconds per call of ``fn``, by CUDA events around ``calls`` calls."""
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop) / calls
+
+
+def copy_bandwidth(cp, repeats, calls, nbytes=COPY_BYTES):
+    """GB/s (bytes read + written) of a device-to-device copy of ``nbytes``."""
+    src = cp.ones(nbytes // 4, dtype=cp.float32)
+    dst = cp.empty_like(src)
+    fn = lambda: dst.data.copy_from_device_async(src.data, nbytes)  # noqa: E731
+    fn()
+    ms = statistics.median(_events(cp, fn, calls) for _ in range(repeats))
+    return 2 * nbytes / ms / 1e6
+
+
+def _contenders(cp, torch, op, x, w, b, dy):
+    """``{(who, pass): (callable, bytes)}`` and the outputs to cross-check, for one shape."""
+    F = torch.nn.functional
+    m, d = x.shape
+    item, acc = x.itemsize, 4
+    xt, wt, bt, dyt = (torch.from_dlpack(a) for a in (x, w, b, dy))
+    xr = xt.detach().clone().requires_grad_(True)
+    wr = wt.detach().clone().requires_grad_(True)
+    br = bt.detach().clone().requires_grad_(True)
+    fwd_bytes = 2 * m * d * item + (2 if op == "layer_norm" else 1) * (d * item + m * acc)
+    bwd_bytes = 3 * m * d * item + 2 * d * item + 2 * m * acc
+    if op == "layer_norm":
+        def ln_fwd():
+            return lnlib.layer_norm_forward(x, w, b)
+
+        def ln_fb():
+            y, mean, rstd = lnlib.layer_norm_forward(x, w, b)
+            return lnlib.layer_norm_backward(dy, x, mean, rstd, w)
+
+        def t_fwd():
+            return F.layer_norm(xt, (d,), wt, bt, 1e-5)
+
+        def t_fb():
+            y = F.layer_norm(xr, (d,), wr, br, 1e-5)
+            return torch.autograd.grad(y, (xr, wr, br), dyt)
+    else:
+        def ln_fwd():
+            return lnlib.rms_norm_forward(x, w)
+
+        def ln_fb():
+            y, rstd = lnlib.rms_norm_forward(x, w)
+            return lnlib.rms_norm_backward(dy, x, rstd, w)
+
+        def t_fwd():
+            return F.rms_norm(xt, (d,), wt, 1e-6)
+
+        def t_fb():
+            y = F.rms_norm(xr, (d,), wr, 1e-6)
+            return torch.autograd.grad(y, (xr, wr), dyt)
+    return {("lnlib", "forward"): (ln_fwd, fwd_bytes), ("torch", "forward"): (t_fwd, fwd_bytes),
+            ("lnlib", "forward+backward"): (ln_fb, fwd_bytes + bwd_bytes),
+            ("torch", "forward+backward"): (t_fb, fwd_bytes + bwd_bytes)}
+
+
+def _check(cp, torch, runs, dtype):
+    """lnlib and torch agree on the outputs before anything is timed."""
+    tol = 5e-2 if dtype == np.float16 else 2e-3
+    for kind in ("forward", "forward+backward"):
+        ours = runs[("lnlib", kind)][0]()
+        theirs = runs[("torch", kind)][0]()
+        ours = ours[:1] if kind == "forward" else ours[:2]
+        theirs = (theirs,) if kind == "forward" else theirs[:2]
+        for a, t in zip(ours, theirs):
+            got = torch.from_dlpack(a).double()
+            want = t.detach().double()
+            scale = max(1.0, float(want.abs().max()))
+            err = float((got - want).abs().max())
+            if not err <= tol * scale * (1 if kind == "forward" else 50):
+                raise AssertionError(f"lnlib and torch differ ({kind}): {err:.3g}")
+
+
+def bench_shape(cp, torch, op, d, dtype, repeats, calls, copy_gbps, rng):
+    """One row of results: lnlib and torch bandwidth, fraction of copy, ratio to torch."""
+    m = max(1, ELEMENTS // d)
+    x = rng.standard_normal((m, d), dtype=cp.float32).astype(dtype)
+    dy = rng.standard_normal((m, d), dtype=cp.float32).astype(dtype)
+    w = rng.standard_normal(d, dtype=cp.float32).astype(dtype)
+    b = rng.standard_normal(d, dtype=cp.float32).astype(dtype)
+    runs = _contenders(cp, torch, op, x, w, b, dy)
+    _check(cp, torch, runs, dtype)
+    times = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, (fn, _) in runs.items():  # interleaved: every contender in every repeat
+            times[key].append(_events(cp, fn, calls))
+    rows = []
+    for kind in ("forward", "forward+backward"):
+        ms = {who: statistics.median(times[(who, kind)]) for who in ("lnlib", "torch")}
+        gbps = {who: runs[(who, kind)][1] / ms[who] / 1e6 for who in ms}
+        rows.append({"op": op, "pass": kind, "dtype": np.dtype(dtype).name, "M": m, "D": d,
+                     "lnlib_ms": ms["lnlib"], "torch_ms": ms["torch"],
+                     "lnlib_GBps": gbps["lnlib"], "torch_GBps": gbps["torch"],
+                     "copy_fraction": gbps["lnlib"] / copy_gbps,
+                     "speedup_vs_torch": ms["torch"] / ms["lnlib"]})
+    return rows
+
+
+def gpu_name(cp):
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def run(widths=WIDTHS, dtypes=("float32", "float16"), ops=("layer_norm", "rms_norm"),
+        repeats=15, calls=5):
+    """Run the whole benchmark; returns the JSON-ready result."""
+    import cupy as cp
+    import torch
+
+    rng = cp.random.default_rng(0)
+    copy_gbps = copy_bandwidth(cp, repeats, calls)
+    results = []
+    for dtype in dtypes:
+        for op in ops:
+            for d in widths:
+                results += bench_shape(cp, torch, op, d, np.dtype(dtype), repeats, calls,
+                                       copy_gbps, rng)
+                print(format_rows(results[-2:], header=not results[:-2]), flush=True)
+    return {"gpu": gpu_name(cp), "cupy": cp.__version__, "torch": torch.__version__,
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "copy_GBps": copy_gbps,
+            "copy_bytes": COPY_BYTES, "elements_per_call": ELEMENTS, "repeats": repeats,
+            "calls_per_timing": calls, "results": results}
+
+
+def format_rows(rows, header=True):
+    lines = [f"{'op':<11}{'pass':<17}{'dtype':<8}{'D':>6}{'lnlib GB/s':>12}{'torch GB/s':>12}"
+             f"{'of copy':>9}{'vs torch':>9}"] if header else []
+    for r in rows:
+        lines.append(f"{r['op']:<11}{r['pass']:<17}{r['dtype']:<8}{r['D']:>6}"
+                     f"{r['lnlib_GBps']:>12.0f}{r['torch_GBps']:>12.0f}"
+                     f"{100 * r['copy_fraction']:>8.0f}%{r['speedup_vs_torch']:>8.2f}x")
+    return "\n".join(lines)
+
+
+def result_path(folder, gpu):
+    """``folder/gpu_<name>.json``, the GPU's name in lower case with non-alphanumerics as _."""
+    return Path(folder) / f"gpu_{re.sub(r'[^0-9a-z]+', '_', gpu.lower()).strip('_')}.json"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m lnlib.bench --gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="comma-separated D")
+    p.add_argument("--dtypes", default="float32,float16", help="comma-separated")
+    p.add_argument("--repeats", type=int, default=15, help="interleaved repeats (median)")
+    p.add_argument("--calls", type=int, default=5, help="calls per CUDA-event timing")
+    p.add_argument("--out-dir", default=str(DEFAULT_DIR),
+                   help="folder of the JSON result, named after the GPU")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.calls < 1:
+        p.error("--repeats and --calls: expected positive numbers")
+    widths = [int(w) for w in args.widths.split(",")]
+    result = run(widths, [d.strip() for d in args.dtypes.split(",")], repeats=args.repeats,
+                 calls=args.calls)
+    result["command"] = "python -m lnlib.bench --gpu " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    print(f"copy: {result['copy_GBps']:.0f} GB/s on {result['gpu']}")
+    path = result_path(args.out_dir, result["gpu"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

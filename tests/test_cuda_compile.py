@@ -1,0 +1,187 @@
+"""Every CUDA kernel compiles for sm_80 and sm_90 without register spills (no GPU needed).
+
+At run time CuPy compiles ``lnlib._cuda.kernels.source()`` with NVRTC, with lnlib's options
+(``kernels.OPTIONS``) plus those CuPy adds itself in ``cupy.cuda.compiler``
+(``_compile_with_cache_cuda`` adds ``-ftz=true``; ``_get_arch_for_options_for_nvrtc`` adds
+``-arch=sm_XX`` to get a cubin; ``--device-as-default-execution-space`` and ``--pch`` are
+NVRTC-only and change nothing for code that marks every function ``__device__``/``__global__``).
+Here nvcc compiles the same source, every name expression instantiated by taking its address,
+with the same options and ``-Xptxas -v``, and the test reads ptxas's resource report: one entry
+per kernel, no spill stores or loads, no stack frame, no warning. Run this file as a script to
+print the report.
+"""
+
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from lnlib._cuda import kernels
+
+ARCHS = ("80", "90")
+#: What CuPy adds to a RawModule's options (besides include paths and the architecture).
+CUPY_ADDED = ("-ftz=true",)
+
+
+def _nvcc():
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = Path(home) / "bin" / "nvcc"
+    return str(candidate) if candidate.exists() else None
+
+
+NVCC = _nvcc()
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA compiler) is not installed")
+
+
+def instantiation_source():
+    """The kernel source plus one address-of per name expression, which instantiates it."""
+    names = kernels.all_name_expressions()
+    refs = ",\n".join(f"        (const void*)&{n}" for n in names)
+    return (kernels.source() + "\n// Instantiate what CuPy names at run time.\n"
+            "const void* lnlib_kernel_address(int i) {\n"
+            f"    static const void* const all[] = {{\n{refs}\n    }};\n    return all[i];\n}}\n")
+
+
+def nvcc_command(arch, src, out):
+    return [NVCC, "-cubin", f"-arch=sm_{arch}", *kernels.OPTIONS, *CUPY_ADDED,
+            "-Xptxas", "-v", "-o", str(out), str(src)]
+
+
+def _compile(arch, folder):
+    src = Path(folder) / "norms_cuda_all.cu"
+    if not src.exists():
+        src.write_text(instantiation_source())
+    cmd = nvcc_command(arch, src, Path(folder) / f"norms_sm{arch}.cubin")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _read_name(s, i):
+    j = i
+    while s[j].isdigit():
+        j += 1
+    n = int(s[i:j])
+    return s[j:j + n], j + n
+
+
+_TYPE = {"f": "float", "d": "double"}
+
+
+def demangle(sym):
+    """``_Z14layer_norm_fwdIfLi32ELi1EEv...`` -> ``layer_norm_fwd<float, 32, 1>`` (the name
+    expression form); only the template patterns of these kernels are understood."""
+    name, i = _read_name(sym, 2)
+    assert sym[i] == "I", sym
+    i += 1
+    if sym[i] in _TYPE:
+        args, i = [_TYPE[sym[i]]], i + 1
+    else:
+        t, i = _read_name(sym, i)
+        args = [t]
+    while (m := re.match(r"Li(\d+)E", sym[i:])):
+        args.append(m.group(1))
+        i += m.end()
+    return f"{name}<{', '.join(args)}>"
+
+
+def parse_report(log):
+    """``{name expression: {"registers", "spill_stores", "spill_loads", "stack"}}`` from -v."""
+    report, current = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = demangle(m.group(1))
+            report[current] = {}
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                      line)
+        if m and current:
+            report[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                                   spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            report[current]["registers"] = int(m.group(1))
+    return report
+
+
+@pytest.fixture(scope="module")
+def builds():
+    """Compile for every architecture (in parallel): ``{arch: (returncode, log)}``."""
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "norms_cuda_all.cu").write_text(instantiation_source())
+        with ThreadPoolExecutor(len(ARCHS)) as pool:
+            results = list(pool.map(lambda a: _compile(a, folder), ARCHS))
+    return dict(zip(ARCHS, results))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_without_spills(builds, arch):
+    code, log = builds[arch]
+    assert code == 0, f"nvcc failed for sm_{arch}:\n{log[-4000:]}"
+    bad = [line for line in log.splitlines() if re.search(r"warning|error", line, re.I)]
+    assert not bad, f"sm_{arch}: compiler diagnostics:\n" + "\n".join(bad[:20])
+    report = parse_report(log)
+    assert set(report) == set(kernels.all_name_expressions()), "kernels missing from the report"
+    for name, r in report.items():
+        assert r.get("spill_stores") == 0 and r.get("spill_loads") == 0, f"{name} spills: {r}"
+        assert r.get("stack") == 0, f"{name} uses a stack frame (local memory): {r}"
+        assert 0 < r["registers"] <= 255, f"{name}: {r}"
+
+
+def test_options_are_those_cupy_uses():
+    """The flags added here are the ones CuPy's compiler module adds (checked in its source)."""
+    cupy_compiler = pytest.importorskip("cupy.cuda.compiler", reason="CuPy is not installed")
+    text = inspect.getsource(cupy_compiler._compile_with_cache_cuda)
+    for flag in CUPY_ADDED:
+        assert f"'{flag}'" in text, f"CuPy no longer adds {flag}: update CUPY_ADDED"
+    arch_text = inspect.getsource(cupy_compiler._get_arch_for_options_for_nvrtc)
+    assert "-arch=sm_" in arch_text, "CuPy no longer compiles to a cubin for the device's sm"
+
+
+@pytest.mark.parametrize("op", kernels.OPS)
+@pytest.mark.parametrize("dtype", sorted(kernels.TYPE_NAMES))
+def test_launch_shapes_cover_every_row_length(op, dtype):
+    """Every row length 1 .. 2^20 maps to a compiled kernel whose tiles cover the row."""
+    names = set(kernels.all_name_expressions())
+    vec = 16 // kernels.ITEMSIZE[dtype]
+    lengths = [1, 2, 3, 7, 31, 33, 127, 513, 768, 1000, 1024, 4096, 4097, 8192, 16384, 65536,
+               65537, 2**20]
+    for d in lengths:
+        r, maxv, tiles = kernels.launch_shape(op, dtype, d)
+        assert kernels.kernel_name(op, dtype, r, maxv) in names
+        assert tiles * r * maxv * vec >= d > (tiles - 1) * r * maxv * vec
+        assert (tiles == 1) or (r, maxv) == kernels.shapes(op, dtype)[-1]
+
+
+def resource_table(builds_by_arch):
+    """Lines ``kernel  sm_80 registers  sm_90 registers  spills`` for the report."""
+    reports = {a: parse_report(log) for a, (_, log) in builds_by_arch.items()}
+    lines = [f"{'kernel':<44}" + "".join(f"{'sm_' + a + ' regs':>12}{'spills':>8}" for a in ARCHS)]
+    for name in kernels.all_name_expressions():
+        row = f"{name:<44}"
+        for a in ARCHS:
+            r = reports[a].get(name, {})
+            spills = r.get("spill_stores", "?"), r.get("spill_loads", "?")
+            row += f"{r.get('registers', '?'):>12}{'%s/%s' % spills:>8}"
+        lines.append(row)
+    return lines
+
+
+if __name__ == "__main__":
+    if NVCC is None:
+        sys.exit("nvcc not found")
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "norms_cuda_all.cu").write_text(instantiation_source())
+        with ThreadPoolExecutor(len(ARCHS)) as pool:
+            out = dict(zip(ARCHS, pool.map(lambda a: _compile(a, tmp), ARCHS)))
+    print("\n".join(resource_table(out)))
+    sys.exit(max(code for code, _ in out.values()))
