@@ -12,7 +12,7 @@ checker                             the reader writes
 :func:`check_backward_from_output`  ``fn(dy, y, rstd, weight, bias) -> dx``
 :func:`check_min_time`              ``fn(M, H, itemsize, bandwidth_GBps, backward=False) -> s``
 :func:`check_sharded_rms_rstd`      ``fn(shards, eps) -> rstd`` of RMSNorm over sharded rows
-:func:`check_lane_sum`              ``fn(x, lanes=16) -> sums``, in the compiled kernel's order
+:func:`check_lane_sum`              ``fn(x, lanes=16) -> sums``, in a fixed lane order    
 ==================================  ===================================================
 
 The book derives each of them in Chapter 5.
@@ -194,7 +194,7 @@ def check_sharded_rms_rstd(fn: Callable[..., Any]) -> CheckResult:
 # ------------------------------------------- exercise: the compiled kernel's summation order
 
 def _ref_lane_sum(x, lanes=16):
-    """Sum over the last axis in ``lanes`` partial sums, in the order of norms_cpu.c."""
+    """Sum over the last axis in ``lanes`` partial sums combined pairwise (exercise 5.6)."""
     x = np.asarray(x)
     n = x.shape[-1]
     full = n // lanes * lanes
@@ -213,8 +213,9 @@ def _ref_lane_sum(x, lanes=16):
 
 def check_lane_sum(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x, lanes=16) -> sums``: the sum over the last axis of ``x`` (float32 or
-    float64, any number of leading axes), computed in the order of the compiled kernel, with
-    every operation in the dtype of ``x``, so that the result is equal **bit for bit**:
+    float64, any number of leading axes), computed in the lane order that vectorised kernels
+    use (lnlib's compiled kernel sums each block of a row this way), with every operation in
+    the dtype of ``x``, so that the result is equal **bit for bit**:
 
     element ``i`` of the first ``n // lanes * lanes`` is added, in order, to partial sum
     ``i % lanes``; the remaining elements are added, in order, to a separate ``tail``; the
