@@ -20,6 +20,9 @@ any batch, thread count or alignment. :data:`PASSES` lists what each kernel does
 Covered in the book, chapter "Implementation", section "A compiled kernel".
 """
 
+import importlib
+import importlib.util
+import struct
 import threading
 import warnings
 
@@ -68,16 +71,50 @@ _state = {"module": None, "loaded": False, "reason": "not loaded yet", "path": N
 
 def _load():
     """Import the extension module built with the package; ``(module, reason)``."""
+    name = f"{__package__}._norms"
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        return None, ("extension module lnlib._cpu._norms was not built (lnlib was installed "
+                      "without a C compiler?)")
+    if not _complete_library(spec.origin):
+        return None, f"extension module {spec.origin} is damaged (shorter than its headers say)"
     try:
-        from . import _norms
-    except ImportError as exc:  # not built (no compiler at install time) or damaged
-        return None, f"extension module lnlib._cpu._norms cannot be imported ({exc})"
-    missing = [name for name in _FUNCTIONS + ["sum_blocks_pairwise"]
-               if not hasattr(getattr(_norms, "lib", None), name)]
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        return None, f"extension module {spec.origin} cannot be imported ({exc})"
+    missing = [f for f in _FUNCTIONS + ["sum_blocks_pairwise"]
+               if not hasattr(getattr(module, "lib", None), f)]
     if missing:
-        return None, (f"extension module {_norms.__file__} lacks {', '.join(missing)} "
+        return None, (f"extension module {spec.origin} lacks {', '.join(missing)} "
                       "(built from another version of lnlib?)")
-    return _norms, f"compiled kernel {_norms.__file__}"
+    return module, f"compiled kernel {spec.origin}"
+
+
+def _complete_library(path):
+    """False if ``path`` is an ELF file shorter than its headers say.
+
+    Loading a truncated library does not raise: the process dies with SIGBUS when it touches a
+    page past the end of the file. Other formats are left to the import to judge.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF":
+        return True
+    try:
+        wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+        word = order + ("Q" if wide else "I")
+        phoff, shoff = struct.unpack_from(word + word[1], data, 0x20 if wide else 0x1C)
+        phsize, phnum, shsize, shnum = struct.unpack_from(order + "4H", data,
+                                                          0x36 if wide else 0x2A)
+        end = max(phoff + phnum * phsize, shoff + shnum * shsize)
+        for i in range(phnum):  # the bytes each segment maps from the file
+            at = phoff + i * phsize
+            offset = struct.unpack_from(word, data, at + (8 if wide else 4))[0]
+            size = struct.unpack_from(word, data, at + (32 if wide else 16))[0]
+            end = max(end, offset + size)
+    except struct.error:  # not even the headers are there
+        return False
+    return len(data) >= end
 
 
 def _module():
