@@ -14,7 +14,13 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
 
 
 def info():
-    """Same as :func:`lnlib._cpu.kernels.info`."""
+    """Whether the compiled kernel runs here; see :func:`lnlib._cpu.kernels.info`.
+
+    Returns
+    -------
+    dict
+        ``{"kernel": bool, "reason": str, "path": str or None, "flags": list, "source": str}``.
+    """
     return _kernels.info()
 
 

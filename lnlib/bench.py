@@ -351,9 +351,9 @@ def format_table(results, copy):
     """The comparison as a plain-text table."""
     head = (f"{'shape':>12} {'dtype':>8} | {'pass':>7} {'lnlib ms':>9} {'torch ms':>9} "
             f"{'speedup':>8} {'GB/s':>7} {'of copy':>8}")
-    lines = [f"memory copy (np.copyto): {copy['copy_GBps']:.2f} GB/s; "
-             f"{copy['copy_threads']} threads: {copy['copy_threads_GBps']:.2f} GB/s", head,
-             "-" * len(head)]
+    copy_line = (f"memory copy (np.copyto): {copy['copy_GBps']:.2f} GB/s; "
+                 f"{copy['copy_threads']} threads: {copy['copy_threads_GBps']:.2f} GB/s")
+    lines = [copy_line, head, "-" * len(head)]
     for r in results:
         shape = "x".join(map(str, r["shape"]))
         for kind, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def _build_wheel(tmp, env=None):
     out = tmp / "wheels"
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", ".", "--no-deps",
                            "--no-build-isolation", "-w", str(out)], cwd=src,
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (wheel,) = out.glob("lnlib-*.whl")
     return wheel, done.stdout + done.stderr
@@ -95,8 +96,8 @@ def _fresh_venv(tmp, wheel):
     python = env_dir / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
                     "--no-deps", "--no-index", str(wheel)], check=True)
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig."
-                                "get_paths()['purelib'])"], capture_output=True, text=True,
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([str(python), "-c", where], capture_output=True, text=True,
                                check=True).stdout.strip())
     import _cffi_backend
 
@@ -109,7 +110,7 @@ def _probe(python, tmp):
     """Run PROBE with ``python`` in an empty folder, with no C compiler on PATH."""
     env = {"PATH": str(python.parent), "HOME": str(tmp), "LANG": "C.UTF-8"}
     done = subprocess.run([str(python), "-c", PROBE], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -210,7 +211,7 @@ def test_never_builds_or_loads_from_cache_or_temp_folders(tmp_path):
                XDG_CACHE_HOME=str(folders["xdg"]), HOME=str(folders["home"]),
                TMPDIR=str(folders["tmp"]))
     done = subprocess.run([sys.executable, "-c", NO_CACHE_PROBE], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["info"]["kernel"]
@@ -226,11 +227,14 @@ def test_missing_module_in_this_process_warns_once(monkeypatch, rng):
     monkeypatch.setitem(sys.modules, "lnlib._cpu._norms", None)  # import raises ImportError
     monkeypatch.setattr(kernels, "_state", dict(kernels._state, loaded=False, module=None))
     x = rng.standard_normal((5, 7))
-    with pytest.warns(RuntimeWarning, match="compiled CPU kernel") as caught:
-        for _ in range(3):
-            y = lnlib.layer_norm(x)
-        assert not kernels.info()["kernel"]
-    assert len([w for w in caught if "compiled CPU kernel" in str(w.message)]) == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ys = [lnlib.layer_norm(x) for _ in range(3)]
+        info = kernels.info()
+    assert not info["kernel"] and "not built" in info["reason"]
+    assert [type(w.message) for w in caught if "compiled CPU kernel" in str(w.message)] == [
+        RuntimeWarning]
+    y = ys[0]
     with lnlib.use_implementation("numpy"):
         np.testing.assert_array_equal(y, lnlib.layer_norm(x))
     with pytest.raises(RuntimeError, match="not available"), lnlib.use_implementation("kernel"):

@@ -151,13 +151,13 @@ def test_read_only_input_is_accepted_and_never_written(kernel, rng):
 _ARRAYS = ("x", "dy", "weight", "bias", "y", "dx", "dweight", "dbias")
 _PASS = re.compile(r"FN\(row_\w+\)\((?P<call>[^;]*);"
                    r"|for \(ptrdiff_t i = 0; i < n; i\+\+\)(?P<loop>\s*\{.*?\n    \}|[^;]*;)",
-                   re.S)
+                   re.DOTALL)
 
 
 def _row_function_body(op):
     source = (KERNEL_DIR / "norms_cpu_typed.h").read_text()
     match = re.search(r"static void FN\(" + op + r"_row\)\([^)]*\)\n\{\n(.*?)\n\}\n", source,
-                      re.S)
+                      re.DOTALL)
     assert match, f"no row function for {op} in norms_cpu_typed.h"
     return match.group(1)
 

@@ -30,8 +30,8 @@ import numpy as np
 
 from .._rows import run_chunks
 
-__all__ = ["PASSES", "available", "info", "layer_norm_forward_rows", "layer_norm_backward_rows",
-           "rms_norm_forward_rows", "rms_norm_backward_rows"]
+__all__ = ["PASSES", "available", "info", "layer_norm_backward_rows", "layer_norm_forward_rows",
+           "rms_norm_backward_rows", "rms_norm_forward_rows"]
 
 #: The passes each kernel makes over one row, in order: the arrays read and written (arrays of
 #: length D; ``dweight``/``dbias`` are the row block's float64 column sums, which stay in
@@ -149,7 +149,16 @@ def info():
 
 
 def available():
-    """``(usable, reason)``: whether the compiled kernel can run on this machine."""
+    """Whether the compiled kernel can run here (the selection point asks this).
+
+    Returns
+    -------
+    usable : bool
+        True when the extension module was built with the package and loads.
+    reason : str
+        The loaded module's path, or why it cannot be used. The first call that finds it
+        unusable also warns (:class:`RuntimeWarning`), once per process.
+    """
     return _module() is not None, _state["reason"]
 
 
@@ -219,9 +228,24 @@ def _block_of(start):
 
 
 def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
-    """LayerNorm forward of rows ``x`` (M, D), float32 or float64: ``(y, mean, rstd)``.
+    """LayerNorm forward of rows with the compiled kernel.
 
-    ``weight``/``bias`` (D,) or None; ``threads`` defaults to the cores available.
+    Parameters
+    ----------
+    x : ndarray (M, D), float32 or float64
+        Rows; contiguous rows are read in place, other layouts are copied.
+    weight, bias : ndarray (D,) of the dtype of ``x``, or None
+        None means ones and zeros.
+    eps : float
+        Added to the variance.
+    threads : int, optional
+        Chunks of rows run in this many threads (default: the cores available); the results
+        do not depend on it.
+
+    Returns
+    -------
+    y : ndarray (M, D), dtype of ``x``
+    mean, rstd : ndarray (M,), dtype of ``x``
     """
     m, n = x.shape
     fn = _c_function("layer_norm_forward", x.dtype)
@@ -242,7 +266,25 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
 
 
 def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
-    """LayerNorm backward of rows (M, D), float32 or float64: ``(dx, dweight, dbias)``."""
+    """LayerNorm backward of rows with the compiled kernel.
+
+    Parameters
+    ----------
+    dy, x : ndarray (M, D), float32 or float64
+        Gradient of the output and the forward input (dtype of ``x``).
+    mean, rstd : ndarray (M,)
+        From the forward; converted to the dtype of ``x``.
+    weight : ndarray (D,) or None
+        None means ones.
+    threads : int, optional
+        As in :func:`layer_norm_forward_rows`; the results do not depend on it.
+
+    Returns
+    -------
+    dx : ndarray (M, D), dtype of ``x``
+    dweight, dbias : ndarray (D,), dtype of ``x``
+        Column sums accumulated in float64 per block of rows, the blocks added pairwise.
+    """
     m, n = x.shape
     fn = _c_function("layer_norm_backward", x.dtype)
     x, dy = _rows(x, x.dtype), _rows(dy, x.dtype)
@@ -264,7 +306,23 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
 
 
 def rms_norm_forward_rows(x, weight, eps, *, threads=None):
-    """RMSNorm forward of rows ``x`` (M, D), float32 or float64: ``(y, rstd)``."""
+    """RMSNorm forward of rows with the compiled kernel.
+
+    Parameters
+    ----------
+    x : ndarray (M, D), float32 or float64
+    weight : ndarray (D,) or None
+        None means ones.
+    eps : float
+        Added to the mean square.
+    threads : int, optional
+        As in :func:`layer_norm_forward_rows`; the results do not depend on it.
+
+    Returns
+    -------
+    y : ndarray (M, D), dtype of ``x``
+    rstd : ndarray (M,), dtype of ``x``
+    """
     m, n = x.shape
     fn = _c_function("rms_norm_forward", x.dtype)
     x = _rows(x, x.dtype)
@@ -282,7 +340,23 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None):
 
 
 def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None):
-    """RMSNorm backward of rows (M, D), float32 or float64: ``(dx, dweight)``."""
+    """RMSNorm backward of rows with the compiled kernel.
+
+    Parameters
+    ----------
+    dy, x : ndarray (M, D), float32 or float64
+    rstd : ndarray (M,)
+        From the forward.
+    weight : ndarray (D,) or None
+        None means ones.
+    threads : int, optional
+        As in :func:`layer_norm_forward_rows`; the results do not depend on it.
+
+    Returns
+    -------
+    dx : ndarray (M, D), dtype of ``x``
+    dweight : ndarray (D,), dtype of ``x``
+    """
     m, n = x.shape
     fn = _c_function("rms_norm_backward", x.dtype)
     x, dy = _rows(x, x.dtype), _rows(dy, x.dtype)
