@@ -70,6 +70,31 @@ def run_chunks(m, n, chunk_fn, *, block_rows=None, threads=None, itemsize=4):
     return results
 
 
+#: Rows summed together in the accumulation dtype before a float64 total takes the sum over.
+COLUMN_GROUP_ROWS = 256
+
+
+def add_column_sums(total, a, scale=None):
+    """``total += sum over the rows of a`` (each row times ``scale[i]`` if given).
+
+    ``a`` (k, D) is summed in groups of :data:`COLUMN_GROUP_ROWS` rows in its own dtype (one
+    BLAS matrix-vector product each) and the group sums are added into ``total`` (D,), which
+    should be float64: the rounding error then does not grow with the number of rows, and the
+    order of the additions is fixed by the row count alone.
+    """
+    ones = None
+    for s in range(0, a.shape[0], COLUMN_GROUP_ROWS):
+        e = min(s + COLUMN_GROUP_ROWS, a.shape[0])
+        if scale is None:
+            if ones is None:
+                ones = np.ones(min(COLUMN_GROUP_ROWS, a.shape[0]), dtype=a.dtype)
+            w = ones[: e - s]
+        else:
+            w = scale[s:e]
+        total += np.matmul(w, a[s:e])
+    return total
+
+
 def sum_chunks(parts):
     """Add the per-chunk partial sums (tuples of arrays) in chunk order, so the result is
     deterministic for a given split; returns one tuple of totals."""

@@ -17,8 +17,9 @@ def float_array(a, name, xp):
     Array-likes (lists, scalars) are converted; arrays are returned as they are, never copied.
     """
     if isinstance(a, np.ma.MaskedArray):
-        raise TypeError(f"{name} is a masked array: lnlib ignores no mask silently; pass "
-                        f"{name}.filled(value) or the unmasked values instead")
+        raise TypeError(f"{name} is a masked array (numpy.ma), which lnlib does not support: "
+                        f"its mask would be ignored; pass {name}.filled(value) or the unmasked "
+                        "values instead")
     if not isinstance(a, xp.ndarray):
         try:
             a = xp.asarray(a)
@@ -130,6 +131,18 @@ def saved_stats(x, **stats):
     k = x.ndim - len(first)
     normalized_axes(x.shape, k)
     return k
+
+
+def shape_value(shape, name):
+    """Return ``shape`` as a tuple of non-negative ints, or raise naming ``name``."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"{name} must be a tuple of ints (a shape), got {type(shape).__name__} "
+                        f"{shape!r}")
+    shape = tuple(shape)
+    for n in shape:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"{name} must be a tuple of non-negative ints, got {shape!r}")
+    return tuple(int(n) for n in shape)
 
 
 def broadcast_modulation(a, name, x):

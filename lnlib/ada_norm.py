@@ -137,53 +137,56 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     dy, x, (mean, rstd), k = check.backward_inputs(dy, x, xp, mean=mean, rstd=rstd)
     scale = check.float_array(scale, "scale", xp)
     check.broadcast_modulation(scale, "scale", x)
-    shift_shape = scale.shape if shift_shape is None else tuple(shift_shape)
+    shift_shape = scale.shape if shift_shape is None else check.shape_value(shift_shape,
+                                                                           "shift_shape")
     check.broadcast_modulation(np.empty(shift_shape, dtype=np.int8), "shift_shape", x)
     backward_rows = select("layer_norm_backward", xp, x.dtype)
     acc = accumulation_dtype(x.dtype)
-    mean, rstd = mean.astype(acc, copy=False), rstd.astype(acc, copy=False)
-    g = xp.empty_like(x)  # dy (1 + scale), in the dtype of x like the dy of LayerNorm
-    xp.multiply(dy, 1 + scale.astype(acc, copy=False), out=g, casting="same_kind")
-    dx = backward_rows(as_rows(g, k), as_rows(x, k), mean.reshape(-1), rstd.reshape(-1),
-                       None)[0]
-    del g
-    dshift = sum_to_shape(dy, shift_shape, acc).astype(scale.dtype, copy=False)
-    dscale = _sum_dy_xhat(dy, x, mean, rstd, scale.shape, acc).reshape(scale.shape)
-    dscale = dscale.astype(scale.dtype, copy=False)
-    return dx.reshape(x.shape), dshift, dscale
+    mean, rstd = mean.astype(acc, copy=False), rstd.astype(acc, copy=False)  # (N,), (N,)
+    scale_shape = scale.shape
+    scale = scale.reshape((1,) * (x.ndim - scale.ndim) + scale.shape)  # padded to x.ndim
+    dx = xp.empty_like(x)  # (N, D)
+    dscale = xp.zeros(scale.shape, dtype=np.float64)
+    for idx in _blocks(mean.shape, x.size // max(1, mean.size)):
+        x_b, dy_b, s_idx = x[idx], dy[idx], _broadcast_index(idx, scale.shape)
+        g = dy_b * (1 + scale[s_idx].astype(acc))  # (n, D): the LayerNorm dy
+        dx[idx] = backward_rows(as_rows(g, k), as_rows(x_b, k), mean[idx].reshape(-1),
+                                rstd[idx].reshape(-1), None)[0].reshape(x_b.shape)
+        xhat = x_b.astype(acc)  # (n, D)
+        xhat -= mean[idx].reshape(mean[idx].shape + (1,) * k)
+        xhat *= rstd[idx].reshape(rstd[idx].shape + (1,) * k)
+        xhat *= dy_b
+        dscale[s_idx] += sum_to_shape(xhat, dscale[s_idx].shape, np.float64)
+    dshift = sum_to_shape(dy, shift_shape, np.float64).astype(scale.dtype)
+    return dx, dshift, dscale.reshape(scale_shape).astype(scale.dtype)
 
 
-#: Elements of one temporary block of dy * xhat in the AdaLN backward.
+#: Elements of one block of the AdaLN backward (its temporaries are this size).
 _BLOCK = 1 << 18
 
 
-def _sum_dy_xhat(dy, x, mean, rstd, shape, acc):
-    """``sum_to_shape(dy * xhat, shape)``, with temporaries of at most ``_BLOCK`` elements.
+def _blocks(lead, row_size):
+    """Index tuples over the leading axes ``lead`` selecting blocks of at most ``_BLOCK``
+    elements (or one row): slices of the first axis, or single indices and then slices of
+    the next axes when one index of the first axis is already too large."""
+    if not lead:
+        yield ()
+        return
+    inner = row_size * int(np.prod(lead[1:]))
+    if inner > _BLOCK and len(lead) > 1:
+        for i in range(lead[0]):
+            for rest in _blocks(lead[1:], row_size):
+                yield (i,) + rest
+        return
+    step = max(1, _BLOCK // inner)
+    for i in range(0, lead[0], step):
+        yield (slice(i, min(i + step, lead[0])),)
 
-    Splits the first axis into blocks (recursing into one index of it when a single index is
-    still too large), so the peak memory does not grow with the input.
-    """
-    shape = (1,) * (x.ndim - len(shape)) + tuple(shape)
-    if x.size <= _BLOCK or mean.ndim == 0:
-        xhat = x.astype(acc)  # (*lead, *norm)
-        k = x.ndim - mean.ndim
-        xhat -= mean.reshape(mean.shape + (1,) * k)
-        xhat *= rstd.reshape(rstd.shape + (1,) * k)
-        xhat *= dy
-        return sum_to_shape(xhat, shape, acc)
-    rows = max(1, _BLOCK // (x.size // x.shape[0]))
-    parts = []
-    for i in range(0, x.shape[0], rows):
-        j = min(i + rows, x.shape[0])
-        if rows == 1:
-            part = _sum_dy_xhat(dy[i], x[i], mean[i], rstd[i], shape[1:], acc)[None]
-        else:
-            part = _sum_dy_xhat(dy[i:j], x[i:j], mean[i:j], rstd[i:j],
-                                (min(shape[0], j - i),) + shape[1:], acc)
-        parts.append(part)
-    if shape[0] == 1:
-        return sum(parts[1:], parts[0])
-    return get_array_module(x=x).concatenate(parts)
+
+def _broadcast_index(idx, shape):
+    """The index into an array of ``shape`` (broadcast against x) matching ``idx`` into x."""
+    return tuple((0 if isinstance(i, int) else slice(None)) if n == 1 else i
+                 for i, n in zip(idx, shape))
 
 
 def _silu(c):
@@ -240,6 +243,10 @@ def adaln_modulation_backward(doutputs, c, weight):
     xp = get_array_module(c=c, weight=weight)
     c = check.float_array(c, "c", xp)
     weight = check.float_array(weight, "weight", xp)
+    if isinstance(doutputs, (str, bytes)) or not hasattr(doutputs, "__len__") \
+            or len(doutputs) == 0:
+        raise ValueError("doutputs must be a non-empty sequence of gradients, one per chunk "
+                         f"(e.g. [dshift, dscale, dgate]), got {doutputs!r}")
     chunks = len(doutputs)
     d = weight.shape[-1] // chunks if weight.ndim == 2 else 0
     c, weight, _ = _modulation_inputs(c, weight, xp.zeros(weight.shape[-1:], weight.dtype), chunks, xp)

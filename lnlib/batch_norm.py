@@ -7,6 +7,7 @@ import numpy as np
 
 from . import _validate as check
 from ._backend import accumulation_dtype, get_array_module
+from .reference import layer_norm_dx
 
 __all__ = ["batch_norm", "batch_norm_forward", "batch_norm_backward"]
 
@@ -44,6 +45,59 @@ def _running(a, name, channels, xp):
     if a.shape != (channels,):
         raise ValueError(f"{name} must have shape ({channels},) (one value per channel), got {a.shape}")
     return a
+
+
+def _writeable(a, name):
+    """Running statistics are updated in place: refuse a read-only one before any update."""
+    flags = getattr(a, "flags", None)
+    if a is not None and not getattr(flags, "writeable", True):
+        raise ValueError(f"{name} is read-only, but training=True updates it in place; pass a "
+                         f"writeable array (e.g. {name}.copy()) or None")
+
+
+def _forward_args(x, running_mean, running_var, weight, bias, training, momentum, eps, xp):
+    """Every check of :func:`batch_norm_forward`, before anything is computed or updated."""
+    x = check.float_array(x, "x", xp)
+    _check_channels(x)
+    channels = x.shape[1]
+    running_mean = _running(running_mean, "running_mean", channels, xp)
+    running_var = _running(running_var, "running_var", channels, xp)
+    weight = check.optional_param(weight, "weight", (channels,), xp)
+    bias = check.optional_param(bias, "bias", (channels,), xp)
+    eps = check.eps_value(eps)
+    if not isinstance(training, (bool, np.bool_)):
+        raise TypeError(f"training must be True or False, got {training!r}")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must both be arrays or both be None")
+    if training:
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) \
+                or not math.isfinite(momentum) or not 0 <= momentum <= 1:
+            raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
+        if x.size // channels < 2:
+            raise ValueError("batch_norm in training needs more than one value per channel, "
+                             f"got x of shape {x.shape}")
+        _writeable(running_mean, "running_mean")
+        _writeable(running_var, "running_var")
+    elif running_mean is None:
+        raise ValueError("running_mean and running_var are required when training=False")
+    return x, running_mean, running_var, weight, bias, eps
+
+
+def _backward_args(dy, x, mean, rstd, weight, xp):
+    """Every check of :func:`batch_norm_backward`."""
+    x = check.float_array(x, "x", xp)
+    _check_channels(x)
+    dy = check.float_array(dy, "dy", xp)
+    check.same_shape(dy, "dy", x)
+    channels = x.shape[1]
+    mean = check.float_array(mean, "mean", xp)
+    rstd = check.float_array(rstd, "rstd", xp)
+    for name, a in (("mean", mean), ("rstd", rstd)):
+        if a.shape != (channels,):
+            raise ValueError(f"{name} must have shape ({channels},) (one value per channel of x), "
+                             f"got {a.shape}")
+    weight = check.optional_param(weight, "weight", (channels,), xp)
+    return dy, x, mean, rstd, weight
 
 
 def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, training,
@@ -103,52 +157,31 @@ def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, 
     """
     xp = get_array_module(x=x, running_mean=running_mean, running_var=running_var,
                           weight=weight, bias=bias)
-    x = check.float_array(x, "x", xp)
-    _check_channels(x)
-    channels = x.shape[1]
-    running_mean = _running(running_mean, "running_mean", channels, xp)
-    running_var = _running(running_var, "running_var", channels, xp)
-    weight = check.optional_param(weight, "weight", (channels,), xp)
-    bias = check.optional_param(bias, "bias", (channels,), xp)
-    eps = check.eps_value(eps)
-    if not isinstance(training, (bool, np.bool_)):
-        raise TypeError(f"training must be True or False, got {training!r}")
-    if (running_mean is None) != (running_var is None):
-        raise ValueError("running_mean and running_var must both be arrays or both be None")
-    m = x.size // channels
-    if training:
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) \
-                or not math.isfinite(momentum) or not 0 <= momentum <= 1:
-            raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
-        if m < 2:
-            raise ValueError(
-                f"batch_norm in training needs more than one value per channel, got x of shape {x.shape}"
-            )
-    elif running_mean is None:
-        raise ValueError("running_mean and running_var are required when training=False")
-
+    x, running_mean, running_var, weight, bias, eps = _forward_args(
+        x, running_mean, running_var, weight, bias, training, momentum, eps, xp)
     acc = accumulation_dtype(x.dtype)
-    x3 = _channel_view(x).astype(acc, copy=False)  # (N, C, L)
+    x3 = _channel_view(x)  # (N, C, L)
     if training:
-        mean = x3.mean(axis=(0, 2))
-        xc = x3 - mean[:, None]
-        var = (xc * xc).mean(axis=(0, 2))
-        if running_mean is not None:
-            running_mean *= 1 - momentum
-            running_mean += (momentum * mean).astype(running_mean.dtype)
-            running_var *= 1 - momentum
-            running_var += (momentum * var * (m / (m - 1))).astype(running_var.dtype)
+        mean, var = _channel_stats(x3, acc, xp)  # (C,), (C,)
     else:
-        mean = running_mean.astype(acc)
-        var = running_var.astype(acc)
-        xc = x3 - mean[:, None]
-    rstd = 1 / xp.sqrt(var + eps)
-    y = xc * rstd[:, None]
-    if weight is not None:
-        y *= weight.astype(acc)[:, None]
-    if bias is not None:
-        y += bias.astype(acc)[:, None]
-    return y.reshape(x.shape).astype(x.dtype, copy=False), mean, rstd
+        mean, var = running_mean.astype(acc), running_var.astype(acc)  # (C,), (C,)
+    rstd = 1 / xp.sqrt(var + acc.type(eps))  # (C,)
+    scale = rstd if weight is None else rstd * weight.astype(acc)  # (C,)
+    y3 = xp.empty(x3.shape, dtype=x.dtype)  # (N, C, L)
+    for b in _blocks(x3.shape):
+        t = x3[b].astype(acc)  # one block, (n, C, l)
+        t -= mean[:, None]
+        t *= scale[:, None]
+        if bias is not None:
+            t += bias.astype(acc)[:, None]
+        y3[b] = t
+    if training and running_mean is not None:  # last: nothing above can fail half-way
+        m = x3.shape[0] * x3.shape[2]
+        running_mean *= 1 - momentum
+        running_mean += (momentum * mean).astype(running_mean.dtype)
+        running_var *= 1 - momentum
+        running_var += (momentum * var * (m / (m - 1))).astype(running_var.dtype)
+    return y3.reshape(x.shape), mean, rstd
 
 
 def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
@@ -186,26 +219,82 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
         shape ``(C,)``.
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
-    x = check.float_array(x, "x", xp)
-    _check_channels(x)
-    dy = check.float_array(dy, "dy", xp)
-    check.same_shape(dy, "dy", x)
-    channels = x.shape[1]
-    mean = check.float_array(mean, "mean", xp)
-    rstd = check.float_array(rstd, "rstd", xp)
-    for name, a in (("mean", mean), ("rstd", rstd)):
-        if a.shape != (channels,):
-            raise ValueError(f"{name} must have shape ({channels},) (one value per channel of x), got {a.shape}")
-    weight = check.optional_param(weight, "weight", (channels,), xp)
-    acc = mean.dtype
-    x3 = _channel_view(x).astype(acc, copy=False)
-    dy3 = _channel_view(dy).astype(acc, copy=False)
-    xhat = (x3 - mean[:, None]) * rstd[:, None]
-    g = dy3 if weight is None else dy3 * weight.astype(acc)[:, None]
-    if training:
-        g = g - g.mean(axis=(0, 2), keepdims=True) - xhat * (g * xhat).mean(axis=(0, 2), keepdims=True)
-    dx = g * rstd[:, None]
+    dy, x, mean, rstd, weight = _backward_args(dy, x, mean, rstd, weight, xp)
+    acc = accumulation_dtype(x.dtype)  # also for statistics saved in another dtype
+    mean, rstd = mean.astype(acc, copy=False), rstd.astype(acc, copy=False)  # (C,), (C,)
+    w = xp.ones_like(mean) if weight is None else weight.astype(acc)  # (C,)
+    x3, dy3 = _channel_view(x), _channel_view(dy)  # (N, C, L)
+    sum_dy = xp.zeros(x3.shape[1], dtype=np.float64)  # (C,)
+    sum_dy_xhat = xp.zeros(x3.shape[1], dtype=np.float64)  # (C,)
+    for b in _blocks(x3.shape):
+        t = _xhat(x3[b], mean, rstd, acc)  # (n, C, l)
+        t *= dy3[b]
+        sum_dy_xhat += t.sum(axis=(0, 2), dtype=np.float64)
+        sum_dy += dy3[b].sum(axis=(0, 2), dtype=np.float64)
+    m = x3.shape[0] * x3.shape[2]
+    means = ((w * (sum_dy / m))[:, None], (w * (sum_dy_xhat / m))[:, None])  # (C, 1) each
+    dx3 = xp.empty(x3.shape, dtype=x.dtype)  # (N, C, L)
+    for b in _blocks(x3.shape):
+        g = dy3[b].astype(acc) * w[:, None]  # (n, C, l)
+        if training:
+            dx3[b] = layer_norm_dx(g, _xhat(x3[b], mean, rstd, acc), rstd[:, None],
+                                   means=tuple(v.astype(acc) for v in means))
+        else:  # the running statistics are constants
+            g *= rstd[:, None]
+            dx3[b] = g
     pdtype = x.dtype if weight is None else weight.dtype
-    dweight = (dy3 * xhat).sum(axis=(0, 2)).astype(pdtype)
-    dbias = dy3.sum(axis=(0, 2)).astype(pdtype)
-    return dx.reshape(x.shape).astype(x.dtype, copy=False), dweight, dbias
+    return dx3.reshape(x.shape), sum_dy_xhat.astype(pdtype), sum_dy.astype(pdtype)
+
+
+#: Elements of one temporary block: the passes over a block run in cache.
+_BLOCK = 1 << 16
+
+
+def _blocks(shape):
+    """Index tuples of blocks of about ``_BLOCK`` elements covering an (N, C, L) array.
+
+    Fixed by the shape alone, so every sum over blocks is added in the same order each time.
+    """
+    n, c, length = shape
+    if c * length <= _BLOCK:
+        step = _BLOCK // (c * length)
+        for i in range(0, n, step):
+            yield slice(i, min(i + step, n)), slice(None), slice(None)
+        return
+    step = max(1, _BLOCK // c)
+    for i in range(n):
+        for j in range(0, length, step):
+            yield slice(i, i + 1), slice(None), slice(j, min(j + step, length))
+
+
+def _xhat(x_block, mean, rstd, acc):
+    """``(x - mean) * rstd`` of a block (n, C, l), as a new array in ``acc``."""
+    t = x_block.astype(acc)  # (n, C, l)
+    t -= mean[:, None]
+    t *= rstd[:, None]
+    return t
+
+
+def _channel_stats(x3, acc, xp):
+    """Mean and biased variance per channel of ``x3`` (N, C, L): a corrected two-pass.
+
+    Each block is summed in float64 and the block totals added in float64, in a fixed order;
+    the second pass sums the deviations from the first mean (which corrects its rounding)
+    and their squares. Accurate whatever the layout or the mean (Chan, Golub and LeVeque).
+    """
+    m = x3.shape[0] * x3.shape[2]
+    total = xp.zeros(x3.shape[1], dtype=np.float64)  # (C,)
+    for b in _blocks(x3.shape):
+        total += x3[b].sum(axis=(0, 2), dtype=np.float64)
+    mean0 = (total / m).astype(acc)  # (C,)
+    dev = xp.zeros(x3.shape[1], dtype=np.float64)  # (C,)
+    sq = xp.zeros(x3.shape[1], dtype=np.float64)  # (C,)
+    for b in _blocks(x3.shape):
+        t = x3[b].astype(acc)  # (n, C, l)
+        t -= mean0[:, None]
+        dev += t.sum(axis=(0, 2), dtype=np.float64)
+        t *= t
+        sq += t.sum(axis=(0, 2), dtype=np.float64)
+    delta = dev / m  # (C,)
+    var = xp.maximum(sq / m - delta * delta, 0.0)  # (C,)
+    return (mean0 + delta).astype(acc), var.astype(acc)

@@ -56,6 +56,23 @@ def assert_close(got, want, dtype, scale=None, factor=1.0):
     assert err <= tol, f"max abs error {err:.3g} > {tol:.3g} ({np.dtype(dtype).name})"
 
 
+def peak_bytes(fn, *args, **kwargs):
+    """Peak bytes allocated while ``fn(*args, **kwargs)`` runs, results included (NumPy
+    reports its array allocations to tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        result = fn(*args, **kwargs)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    del result
+    return peak
+
+
 def torch_tensor(a, requires_grad=False):
     import torch
 

@@ -9,14 +9,14 @@ how each step was chosen.
 import numpy as np
 
 from .._backend import accumulation_dtype
-from .._rows import load_block, run_chunks, sum_chunks
+from .._rows import add_column_sums, load_block, run_chunks, sum_chunks
 
 __all__ = ["layer_norm_forward_rows", "layer_norm_backward_rows", "rms_norm_forward_rows",
            "rms_norm_backward_rows"]
 
 
 def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=None):
-    """Fast forward on a matrix ``x`` (M, N): returns y (M, N), mean (M,), rstd (M,).
+    """Fast forward on a matrix ``x`` (M, D): returns y (M, D), mean (M,), rstd (M,).
 
     Per block of rows, all on cache-resident data: the row sums, the sums of the deviations
     from that first mean (which correct it: the corrected two-pass algorithm) and the sums of
@@ -79,21 +79,22 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=No
 
 
 def _tile(param, rows):
-    """``param`` (N,) repeated to (rows, N): products with it are then contiguous loops."""
+    """``param`` (D,) repeated to (rows, D): products with it are then contiguous loops."""
     return None if param is None else np.tile(param, (rows, 1))
 
 
 def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, threads=None):
-    """Fast backward on matrices (M, N): returns dx (M, N), dweight (N,), dbias (N,) in acc.
+    """Fast backward on matrices (M, D): returns dx (M, D), dweight (D,), dbias (D,).
 
     With ``xc = x - mean``, ``D = dy * xc`` and per-row dot products ``c1 = dy . weight`` and
     ``c2 = D . weight`` (BLAS, one per row), the gradient is
 
-        dx = dy * (rstd outer weight) - xc * (rstd^3 c2 / N) - rstd c1 / N,
+        dx = dy * (rstd outer weight) - xc * (rstd^3 c2 / D) - rstd c1 / D,
 
     the same quantity as ``rstd * (g - mean(g) - xhat * mean(g xhat))`` with ``g = dy * weight``,
     arranged so that each pass over the block does as much as one NumPy call can. The column
-    sums ``dweight += rstd @ D`` and ``dbias += 1 @ dy`` are matrix-vector products.
+    sums ``dweight += rstd @ D`` and ``dbias += 1 @ dy`` are matrix-vector products over
+    groups of rows, added into float64 totals (:func:`lnlib._rows.add_column_sums`).
     """
     m, n = x.shape
     acc = mean.dtype
@@ -103,27 +104,25 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
     def chunk(start, stop, rows):
         rows = max(1, min(rows, stop - start))
         xc, prod, xbuf, dybuf = (np.empty((rows, n), dtype=acc) for _ in range(4))
-        ones = np.ones(rows, dtype=acc)
         c1, c2 = np.empty(rows, dtype=acc), np.empty(rows, dtype=acc)
-        colsum = np.empty(n, dtype=acc)
-        dweight, dbias = np.zeros(n, dtype=acc), np.zeros(n, dtype=acc)
+        dweight, dbias = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.float64)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
-            b, r, k = slice(0, j - i), rstd[i:j], j - i
+            b, r = slice(0, j - i), rstd[i:j]
             c = xc[b]
             np.subtract(load_block(x[i:j], xbuf, acc), mean[i:j, None], out=c)
             g = load_block(dy[i:j], dybuf, acc)
             d = prod[b]
             np.multiply(g, c, out=d)
-            dweight += np.matmul(r, d, out=colsum)
-            dbias += np.matmul(ones[:k], g, out=colsum)
+            add_column_sums(dweight, d, r)
+            add_column_sums(dbias, g)
             np.matmul(g[:, None, :], w[:, None], out=c1[b].reshape(-1, 1, 1))
             np.matmul(d[:, None, :], w[:, None], out=c2[b].reshape(-1, 1, 1))
             alpha, beta = c2[b], c1[b]
             alpha *= r
             alpha *= r
-            alpha *= r / n  # rstd^3 c2 / N
-            beta *= r / n  # rstd c1 / N
+            alpha *= r / n  # rstd^3 c2 / D
+            beta *= r / n  # rstd c1 / D
             out = dx[i:j] if dx.dtype == acc else xbuf[b]
             np.multiply(r[:, None], w, out=d)  # rstd outer weight
             np.multiply(g, d, out=out)
@@ -140,7 +139,7 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
 
 
 def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None):
-    """Fast forward on a matrix ``x`` (M, N): returns y (M, N) and rstd (M,).
+    """Fast forward on a matrix ``x`` (M, D): returns y (M, D) and rstd (M,).
 
     Per block: the sums of squares as one BLAS dot product per row (stacked ``matmul``), then
     ``y = x * (rstd outer weight)`` in one pass; see :func:`layer_norm_forward_rows`.
@@ -177,10 +176,10 @@ def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None):
 
 
 def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None):
-    """Fast backward on matrices (M, N): returns dx (M, N) and dweight (N,) in acc dtype.
+    """Fast backward on matrices (M, D): returns dx (M, D) and dweight (D,).
 
     With ``D = dy * x`` and the per-row dot product ``c = D . weight``,
-    ``dx = dy * (rstd outer weight) - x * (rstd^3 c / N)`` and ``dweight += rstd @ D``.
+    ``dx = dy * (rstd outer weight) - x * (rstd^3 c / D)`` and ``dweight += rstd @ D``.
     """
     m, n = x.shape
     acc = rstd.dtype
@@ -191,8 +190,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
         rows = max(1, min(rows, stop - start))
         prod, xbuf, dybuf, scaled = (np.empty((rows, n), dtype=acc) for _ in range(4))
         c = np.empty(rows, dtype=acc)
-        colsum = np.empty(n, dtype=acc)
-        dweight = np.zeros(n, dtype=acc)
+        dweight = np.zeros(n, dtype=np.float64)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, r = slice(0, j - i), rstd[i:j]
@@ -200,12 +198,12 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
             g = load_block(dy[i:j], dybuf, acc)
             d = prod[b]
             np.multiply(g, xb, out=d)
-            dweight += np.matmul(r, d, out=colsum)
+            add_column_sums(dweight, d, r)
             np.matmul(d[:, None, :], w[:, None], out=c[b].reshape(-1, 1, 1))
             alpha = c[b]
             alpha *= r
             alpha *= r
-            alpha *= r / n  # rstd^3 c / N
+            alpha *= r / n  # rstd^3 c / D
             out = dx[i:j] if dx.dtype == acc else scaled[b]
             np.multiply(r[:, None], w, out=d)  # rstd outer weight
             np.multiply(g, d, out=out)
