@@ -6,7 +6,9 @@ Every notebook follows the house template (shared STYLE.md):
 
 1. a Markdown cell: the title and a two-line overview;
 2. the setup cell, exactly as ``setup_cell_source`` writes it (tests/book checks this):
-   it installs lnlib from the book's repository only inside Colab and does nothing elsewhere;
+   only inside Colab, it installs ``lnlib[notebooks]`` from the book's repository (and, with
+   ``--no-deps``, any package of requirements/no-deps.txt the notebook imports); elsewhere
+   it does nothing;
 3. a code cell with all imports, ``rng = np.random.default_rng(0)`` and print options;
 4. sections: explain or derive, compute from scratch, compare with lnlib, plot;
 5. exercises, each checked by a checker from ``lnlib.exercises``;
@@ -15,6 +17,7 @@ Every notebook follows the house template (shared STYLE.md):
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -32,16 +35,39 @@ def repository_url() -> str:
     return config["repository"]["url"].rstrip("/")
 
 
-def setup_cell_source(url: str | None = None) -> str:
-    """The source of every notebook's setup cell."""
+def no_deps_packages() -> dict[str, str]:
+    """Import name -> pinned requirement of the packages installed without their dependencies
+    (requirements/no-deps.txt)."""
+    found = {}
+    for line in (ROOT / "requirements" / "no-deps.txt").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "--")):
+            requirement = line.split()[0]
+            found[requirement.split("==")[0].replace("-", "_")] = requirement
+    return found
+
+
+def needs_no_deps(nb: nbformat.NotebookNode) -> list[str]:
+    """The no-deps requirements a notebook imports, in the order of requirements/no-deps.txt."""
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    return [req for name, req in no_deps_packages().items()
+            if re.search(rf"^\s*(from|import)\s+{name}\b", code, re.MULTILINE)]
+
+
+def setup_cell_source(url: str | None = None, no_deps: list[str] | tuple = ()) -> str:
+    """The source of a notebook's setup cell: in Colab, install lnlib with the packages the
+    notebooks import (the ``notebooks`` extra), and the ``no_deps`` requirements without
+    their declared dependencies."""
     url = url or repository_url()
-    return (
-        "# Setup: inside Colab, install lnlib from the book's repository; elsewhere do nothing.\n"
-        "import sys\n"
-        "\n"
-        f"if {SETUP_MARKER}:\n"
-        f'    %pip install --quiet "lnlib @ git+{url}"'
-    )
+    lines = [
+        "# Setup: inside Colab, install lnlib and what the notebooks import; elsewhere do nothing.",
+        "import sys",
+        "",
+        f"if {SETUP_MARKER}:",
+        f'    %pip install --quiet "lnlib[notebooks] @ git+{url}"',
+    ]
+    lines += [f'    %pip install --quiet --no-deps "{req}"' for req in no_deps]
+    return "\n".join(lines)
 
 
 IMPORTS = (

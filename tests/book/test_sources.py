@@ -14,7 +14,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from notebook_template import SETUP_MARKER, repository_url, setup_cell_source  # noqa: E402
+from notebook_template import (  # noqa: E402
+    SETUP_MARKER, needs_no_deps, no_deps_packages, repository_url, setup_cell_source)
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PAGES = sorted((ROOT / "book").glob("*.md"))
@@ -51,15 +52,51 @@ def test_notebook_follows_the_template(path):
     assert first.cell_type == "markdown" and first.source.startswith("# "), \
         "cell 1: a Markdown title and overview"
     setup = nb.cells[1]
-    assert setup.cell_type == "code" and setup.source == setup_cell_source(), (
+    assert setup.cell_type == "code" and setup.source == setup_cell_source(
+        no_deps=needs_no_deps(nb)), (
         "cell 2 must be the Colab-only setup cell exactly as tools/notebook_template.py "
-        "writes it (run `make sync-url` after changing repository.url)")
+        "writes it (run `make sync-url` after changing repository.url or the imports)")
     assert not setup.outputs, "the setup cell must print nothing outside Colab"
     sources = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     assert "default_rng(0)" in sources, "seed the generator: rng = np.random.default_rng(0)"
     assert sum(SETUP_MARKER in c.source for c in nb.cells) == 1
     assert 'matplotlib.use("Agg")' not in sources and "matplotlib.use('Agg')" not in sources
     assert nb.metadata["kernelspec"]["name"] == "python3"
+
+
+def notebook_extra() -> set[str]:
+    """Distributions lnlib[notebooks] installs directly (names normalised)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + project["optional-dependencies"]["notebooks"]
+    return {_normalise(re.split(r"[<>=!~\[ ;]", r)[0]) for r in reqs}
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_setup_cell_installs_what_the_notebook_imports(path):
+    """In Colab only the setup cell installs: every module a notebook imports must come from
+    the standard library, lnlib, lnlib[notebooks] or requirements/no-deps.txt."""
+    from importlib.metadata import packages_distributions
+
+    nb = nbformat.read(path, as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    modules = set(re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)", code, re.MULTILINE))
+    installed = notebook_extra() | {_normalise(r.split("==")[0])
+                                    for r in no_deps_packages().values()} | {"lnlib"}
+    dists = packages_distributions()
+    missing = {}
+    for module in sorted(modules - set(sys.stdlib_module_names) - {"lnlib"}):
+        names = {_normalise(d) for d in dists.get(module, [module])}
+        if not names & installed:
+            missing[module] = sorted(names)
+    assert not missing, (
+        f"{path.name} imports {missing}, which lnlib[notebooks] does not install: add them to "
+        "the notebooks extra in pyproject.toml (and `make lock`)")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -1,0 +1,50 @@
+"""Data that ships inside lnlib, so that the book's notebooks need nothing but the package.
+
+Covered in the book, chapter "Implementation", section "Performance".
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+__all__ = ["load_benchmark"]
+
+BENCHMARKS = ("cpu_layer_norm",)
+
+
+def load_benchmark(name: str = "cpu_layer_norm") -> dict:
+    r"""Load the committed results of one of lnlib's benchmarks.
+
+    ``cpu_layer_norm`` is the output of
+    ``python -m lnlib.bench --steps --out lnlib/data/cpu_layer_norm.json``: the machine it
+    ran on, the memory-copy bandwidth, lnlib against ``torch.nn.functional.layer_norm`` and
+    the time of each optimisation step, as written by :mod:`lnlib.bench`.
+
+    Parameters
+    ----------
+    name : str, optional
+        Which benchmark; one of ``BENCHMARKS`` (default ``"cpu_layer_norm"``).
+
+    Returns
+    -------
+    dict
+        The parsed JSON document; its ``"command"`` entry is the command that wrote it.
+
+    Raises
+    ------
+    ValueError
+        If `name` is not one of ``BENCHMARKS``.
+
+    See Also
+    --------
+    lnlib.bench : the benchmark that writes these results.
+
+    Notes
+    -----
+    Covered in the book, chapter "Implementation", section "Performance".
+    """
+    if name not in BENCHMARKS:
+        raise ValueError(f"name must be one of {BENCHMARKS}, got {name!r}")
+    text = resources.files(__package__).joinpath(f"{name}.json").read_text(encoding="utf-8")
+    return json.loads(text)
