@@ -49,7 +49,10 @@ def copy_bandwidth(cp, repeats, calls, nbytes=COPY_BYTES):
     """GB/s (bytes read + written) of a device-to-device copy of ``nbytes``."""
     src = cp.ones(nbytes // 4, dtype=cp.float32)
     dst = cp.empty_like(src)
-    fn = lambda: dst.data.copy_from_device_async(src.data, nbytes)  # noqa: E731
+
+    def fn():
+        dst.data.copy_from_device_async(src.data, nbytes)
+
     fn()
     ms = statistics.median(_events(cp, fn, calls) for _ in range(repeats))
     return 2 * nbytes / ms / 1e6
@@ -71,7 +74,7 @@ def _contenders(cp, torch, op, x, w, b, dy):
             return lnlib.layer_norm_forward(x, w, b)
 
         def ln_fb():
-            y, mean, rstd = lnlib.layer_norm_forward(x, w, b)
+            _y, mean, rstd = lnlib.layer_norm_forward(x, w, b)
             return lnlib.layer_norm_backward(dy, x, mean, rstd, w)
 
         def t_fwd():
@@ -85,7 +88,7 @@ def _contenders(cp, torch, op, x, w, b, dy):
             return lnlib.rms_norm_forward(x, w)
 
         def ln_fb():
-            y, rstd = lnlib.rms_norm_forward(x, w)
+            _y, rstd = lnlib.rms_norm_forward(x, w)
             return lnlib.rms_norm_backward(dy, x, rstd, w)
 
         def t_fwd():
@@ -169,8 +172,8 @@ def run(widths=WIDTHS, dtypes=("float32", "float16"), ops=("layer_norm", "rms_no
 
 
 def format_rows(rows, header=True):
-    lines = [f"{'op':<11}{'pass':<17}{'dtype':<8}{'D':>6}{'lnlib GB/s':>12}{'torch GB/s':>12}"
-             f"{'of copy':>9}{'vs torch':>9}"] if header else []
+    lines = [(f"{'op':<11}{'pass':<17}{'dtype':<8}{'D':>6}{'lnlib GB/s':>12}{'torch GB/s':>12}"
+             f"{'of copy':>9}{'vs torch':>9}")] if header else []
     for r in rows:
         lines.append(f"{r['op']:<11}{r['pass']:<17}{r['dtype']:<8}{r['D']:>6}"
                      f"{r['lnlib_GBps']:>12.0f}{r['torch_GBps']:>12.0f}"
@@ -184,7 +187,8 @@ def result_path(folder, gpu):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m lnlib.bench --gpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lnlib.bench --gpu",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="comma-separated D")
     p.add_argument("--dtypes", default="float32,float16", help="comma-separated")
     p.add_argument("--repeats", type=int, default=15, help="interleaved repeats (median)")

@@ -202,7 +202,7 @@ def test_parameter_gradients_are_deterministic(rng, d):
     """No atomics: the same call gives the same dweight and dbias bits every time."""
     m = 2**22 // d
     x, dy, w = (cp.asarray(_data(rng, s, np.float32)) for s in ((m, d), (m, d), d))
-    y, mean, rstd = lnlib.layer_norm_forward(x, w)
+    _y, mean, rstd = lnlib.layer_norm_forward(x, w)
     first = lnlib.layer_norm_backward(dy, x, mean, rstd, w)
     for _ in range(3):
         again = lnlib.layer_norm_backward(dy, x, mean, rstd, w)
@@ -262,7 +262,7 @@ def test_dlpack_bridge_is_zero_copy(rng):
 
 def test_empty_batch_and_mixed_libraries(rng):
     x = cp.zeros((0, 7), dtype=cp.float32)
-    y, mean, rstd = lnlib.layer_norm_forward(x, cp.ones(7, cp.float32))
+    y, mean, _rstd = lnlib.layer_norm_forward(x, cp.ones(7, cp.float32))
     assert y.shape == (0, 7) and mean.shape == (0,)
     with pytest.raises(TypeError, match="different array libraries"):
         lnlib.layer_norm(cp.ones((2, 3)), np.ones(3))
@@ -277,7 +277,7 @@ def test_bfloat16_rows_if_cupy_holds_them(rng):
         pytest.skip(f"CuPy cannot hold bfloat16 arrays here ({type(exc).__name__}: {exc})")
     from lnlib._cuda import rows
 
-    y, mean, rstd = rows.layer_norm_forward_rows(x, None, None, 1e-5)
+    y, _mean, _rstd = rows.layer_norm_forward_rows(x, None, None, 1e-5)
     x64 = cp.asnumpy(x).astype(np.float64)
     y_ref = reference.layer_norm_forward(x64)[0]
     err = np.max(np.abs(cp.asnumpy(y).astype(np.float64) - y_ref))

@@ -26,10 +26,10 @@ def run_case(m, d, dtype, rng):
     wide = cp.zeros((m, d + 1), dtype=dtype)
     wide[:, 1:] = x
     for xs in (x, wide[:, 1:]):  # aligned rows (vector loads) and misaligned (element-wise)
-        y, mean, rstd = lnlib.layer_norm_forward(xs, w, w)
+        _y, mean, rstd = lnlib.layer_norm_forward(xs, w, w)
         lnlib.layer_norm_backward(dy, xs, mean, rstd, w)
         lnlib.layer_norm_backward(dy, xs, mean, rstd)
-        y, rstd = lnlib.rms_norm_forward(xs, w)
+        _y, rstd = lnlib.rms_norm_forward(xs, w)
         lnlib.rms_norm_backward(dy, xs, rstd, w)
 
 

@@ -81,7 +81,7 @@ def _forward(op, x, params, eps, with_mean):
     mean = cupy.empty(m, dtype=acc) if with_mean else None
     rstd = cupy.empty(m, dtype=acc)
     if m:
-        r, maxv, tiles = kernels.launch_shape(op, x.dtype, d)
+        r, maxv, _tiles = kernels.launch_shape(op, x.dtype, d)
         vec_ok = _vec_ok(d, x.dtype, (x, ldx), (y, d))
         stats = (mean, rstd) if with_mean else (rstd,)
         args = (x, np.int64(ldx), y, np.int64(d), *(_param(p, acc) for p in params), *stats,

@@ -190,8 +190,12 @@ __device__ __forceinline__ void norm_bwd(const T* dy, long long lddy, const T* x
                         pw[s][j] += dyv[s][j] * xh[s][j];
                         pb[s][j] += dyv[s][j];
                     } else if (j < cnt[s]) {  // long rows: this unit's partial row in memory
-                        dw_part[u * d + i] = (initial ? A(0) : dw_part[u * d + i]) + dyv[s][j] * xh[s][j];
-                        if (CENTER) db_part[u * d + i] = (initial ? A(0) : db_part[u * d + i]) + dyv[s][j];
+                        A* wrow = dw_part + u * d;
+                        wrow[i] = (initial ? A(0) : wrow[i]) + dyv[s][j] * xh[s][j];
+                        if (CENTER) {
+                            A* brow = db_part + u * d;
+                            brow[i] = (initial ? A(0) : brow[i]) + dyv[s][j];
+                        }
                     }
                 }
                 const long long c = ((long long)k * MAXV + s) * R + t;
@@ -274,6 +278,7 @@ rms_norm_bwd(const T* dy, long long lddy, const T* x, long long ldx,
 }
 
 template <typename A>
-__global__ void __launch_bounds__(1024) param_grad_sum(const A* part, long long units, int d, A* out) {
+__global__ void __launch_bounds__(1024)
+param_grad_sum(const A* part, long long units, int d, A* out) {
     param_grad_sum_body(part, units, d, out);
 }

@@ -30,7 +30,9 @@ __device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162flo
 template <typename T> struct Out;
 template <> struct Out<float> { static __device__ float of(float v) { return v; } };
 template <> struct Out<double> { static __device__ double of(double v) { return v; } };
-template <> struct Out<__half> { static __device__ __half of(float v) { return __float2half_rn(v); } };
+template <> struct Out<__half> {
+    static __device__ __half of(float v) { return __float2half_rn(v); }
+};
 template <> struct Out<__nv_bfloat16> {
     static __device__ __nv_bfloat16 of(float v) { return __float2bfloat16_rn(v); }
 };
