@@ -403,6 +403,11 @@ def run(shapes, dtypes, repeats, *, steps=False, copy_bytes=1 << 28, copy_repeat
 
 
 def main(argv=None):
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--gpu" in args:  # the GPU benchmark has its own options: lnlib/bench_gpu.py
+        from . import bench_gpu
+
+        return bench_gpu.main([a for a in args if a != "--gpu"])
     p = argparse.ArgumentParser(prog="python -m lnlib.bench", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=None,
                    help=f"comma-separated MxH (default {DEFAULT_SHAPES}; --quick: {QUICK_SHAPES})")
