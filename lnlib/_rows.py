@@ -45,6 +45,26 @@ def _executor():
         return _pool
 
 
+def _forget_pool():
+    """In a child made by ``os.fork()`` the parent's worker threads do not exist: drop the
+    pool (without waiting for them) and its lock, so the child starts its own."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _submit_all(chunk_fn, bounds, block_rows):
+    """Futures for the chunks ``bounds``, or None when no thread can be started (during
+    interpreter shutdown the pool refuses new work): the caller then runs them itself."""
+    try:
+        return [_executor().submit(chunk_fn, s, e, block_rows) for s, e in bounds]
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        return None
+
+
 def default_block_rows(n, itemsize):
     """Rows per block so that one scratch block of ``n`` columns is about BLOCK_BYTES."""
     return max(1, BLOCK_BYTES // (n * itemsize))
@@ -64,9 +84,12 @@ def run_chunks(m, n, chunk_fn, *, block_rows=None, threads=None, itemsize=4):
     nblocks = -(-m // block_rows)
     per = -(-nblocks // threads) * block_rows
     bounds = [(s, min(s + per, m)) for s in range(0, m, per)]
-    futures = [_executor().submit(chunk_fn, s, e, block_rows) for s, e in bounds[1:]]
+    futures = _submit_all(chunk_fn, bounds[1:], block_rows)
     results = [chunk_fn(*bounds[0], block_rows)]  # the calling thread takes the first chunk
-    results.extend(f.result() for f in futures)
+    if futures is None:
+        results.extend(chunk_fn(s, e, block_rows) for s, e in bounds[1:])
+    else:
+        results.extend(f.result() for f in futures)
     return results
 
 

@@ -269,7 +269,7 @@ def test_layer_norm_is_forward_output(rng):
 
 
 def test_thread_and_block_settings_do_not_change_forward_bits(rng):
-    from lnlib.layer_norm import _forward_numpy
+    from lnlib._cpu.numpy_rows import layer_norm_forward_rows as _forward_numpy
 
     x = rng.standard_normal((1000, 384)).astype(np.float32)
     base = _forward_numpy(x, None, None, 1e-5, block_rows=1, threads=1)
@@ -321,3 +321,86 @@ def test_results_do_not_depend_on_memory_alignment(rng, dtype):
             np.testing.assert_array_equal(g, v)
         for g, v in zip(lnlib.rms_norm_forward(xo), want_rms):
             np.testing.assert_array_equal(g, v)
+
+
+def _threaded_rows(x):
+    """The NumPy row forward split over two threads (the pool is used even on one core)."""
+    from lnlib._cpu.numpy_rows import layer_norm_forward_rows
+
+    return layer_norm_forward_rows(x, None, None, 1e-5, block_rows=16, threads=2)
+
+
+def test_fork_after_a_threaded_call_does_not_hang(rng):
+    """Issue 8: the child of os.fork() inherited a pool whose threads do not exist, and hung."""
+    import os
+    import time
+    import warnings
+
+    x = rng.standard_normal((512, 256)).astype(np.float32)
+    parent = _threaded_rows(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: compare, report by exit code, never return into pytest
+        code = 1
+        try:
+            child = _threaded_rows(x)
+            same = all(np.array_equal(a, b) for a, b in zip(child, parent))
+            same = same and np.array_equal(lnlib.layer_norm(x), lnlib.layer_norm(x[:]))
+            code = 0 if same else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("layer_norm in a forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's result differs from the parent's"
+
+
+def test_call_during_interpreter_shutdown():
+    """Issue 8: an atexit call failed with 'cannot schedule new futures after shutdown'."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, numpy as np\n"
+        "from lnlib._cpu.numpy_rows import layer_norm_forward_rows as f\n"
+        "x = np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32)\n"
+        "want = f(x, None, None, 1e-5, block_rows=16, threads=1)[0]\n"
+        "def late():\n"
+        "    y = f(x, None, None, 1e-5, block_rows=16, threads=2)[0]\n"
+        "    print('equal' if np.array_equal(y, want) else 'differs')\n"
+        "atexit.register(late)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "equal", out.stderr[-2000:]
+
+
+def test_float16_statistics_do_not_lower_the_backward_precision(rng):
+    """Issue 8: float16 mean/rstd with float32 x made the backward accumulate in float16."""
+    x = rng.standard_normal((4096, 8)).astype(np.float32)
+    dy = (np.abs(rng.standard_normal(x.shape)) * 30).astype(np.float32)  # dbias ~ 1e5
+    y, mean, rstd = lnlib.layer_norm_forward(x)
+    want = lnlib.layer_norm_backward(dy, x, mean, rstd)
+    got = lnlib.layer_norm_backward(dy, x, mean.astype(np.float16), rstd.astype(np.float16))
+    assert all(g.dtype == np.float32 and np.all(np.isfinite(g)) for g in got)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
+    got_r = lnlib.rms_norm_backward(dy, x, lnlib.rms_norm_forward(x)[1].astype(np.float16))
+    assert all(g.dtype == np.float32 and np.all(np.isfinite(g)) for g in got_r)
+
+
+def test_parameter_gradient_column_sums_do_not_drift():
+    """Issue 8: dweight/dbias summed block by block in float32 drift with the row count."""
+    from lnlib._cpu.numpy_rows import layer_norm_backward_rows, layer_norm_forward_rows
+
+    x = np.random.default_rng(0).standard_normal((1 << 16, 2)).astype(np.float32)
+    dy = np.full(x.shape, 0.1, np.float32)
+    _, mean, rstd = layer_norm_forward_rows(x, None, None, 1e-5)
+    db = layer_norm_backward_rows(dy, x, mean, rstd, None, block_rows=1, threads=1)[2]
+    np.testing.assert_allclose(db, dy.astype(np.float64).sum(0), rtol=1e-6)
