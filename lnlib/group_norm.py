@@ -3,9 +3,9 @@ r"""Group normalization (Wu and He, 2018): forward and backward.
 GroupNorm splits the C channels of each example into G groups and normalizes each group over its
 C/G channels and every spatial position. Laid out as rows, one row per (example, group), that is
 exactly LayerNorm without an affine map, followed by a per-channel gain and bias; the public
-functions here compute it that way, through :func:`lnlib.layer_norm_forward` and
-:func:`lnlib.layer_norm_backward`, so that GroupNorm inherits their accuracy (corrected two-pass
-statistics) and their bitwise batch invariance.
+functions here compute it that way, with the LayerNorm row implementation that the selection
+point (:func:`lnlib.use_implementation`) picks, so that GroupNorm inherits its accuracy
+(corrected two-pass statistics) and its bitwise batch invariance.
 """
 
 import numbers
@@ -13,8 +13,7 @@ import numbers
 import numpy as np
 
 from . import _validate as check
-from ._backend import accumulation_dtype, get_array_module
-from .layer_norm import layer_norm_backward, layer_norm_forward
+from ._backend import accumulation_dtype, get_array_module, select
 
 __all__ = ["group_norm", "group_norm_backward", "group_norm_forward"]
 
@@ -119,7 +118,7 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
 
     Notes
     -----
-    Statistics are computed by :func:`lnlib.layer_norm_forward` on the rows (corrected
+    Statistics are computed by the LayerNorm row implementation on the rows (corrected
     two-pass, accumulated in float32 for float16/float32 and float64 for float64), so each
     example's result is bitwise independent of the other examples in the batch. Covered in
     the book, chapter "Variants", section "The family by axes".
@@ -136,7 +135,8 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     eps = check.eps_value(eps)
     n, c = x.shape[:2]
     acc = accumulation_dtype(x.dtype)
-    xhat, mean, rstd = layer_norm_forward(_rows(x, g, acc), eps=eps)  # (N*G, D), float acc
+    forward_rows = select("layer_norm_forward", xp, acc)
+    xhat, mean, rstd = forward_rows(_rows(x, g, acc), None, None, eps=eps)  # (N*G, D) in acc
     y = xhat.reshape(n, c, -1)  # (N, C, L): a fresh array, scaled in place
     if weight is not None:
         y *= _per_channel(weight, x, acc)
@@ -202,7 +202,8 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     mean, rstd = (s.astype(acc, copy=False).reshape(-1) for s in (mean, rstd))
     dya = dy.astype(acc, copy=False).reshape(n, c, -1)  # (N, C, L)
     gs = dya if weight is None else dya * _per_channel(weight, x, acc)
-    dx = layer_norm_backward(gs.reshape(n * g, -1), _rows(x, g, acc), mean, rstd)[0]
+    backward_rows = select("layer_norm_backward", xp, acc)
+    dx = backward_rows(gs.reshape(n * g, -1), _rows(x, g, acc), mean, rstd, None)[0]
     xhat = (_rows(x, g, acc) - mean[:, None]) * rstd[:, None]  # (N*G, D)
     # per (example, channel) sums along the contiguous axis, then over examples in float64
     dweight = (dya * xhat.reshape(n, c, -1)).sum(axis=2).sum(axis=0, dtype=np.float64)
