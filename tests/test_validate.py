@@ -141,3 +141,82 @@ def test_import_needs_numpy_only_and_is_fast():
     dt, bad = out.split(" ", 1)
     assert bad.strip() == "[]", f"import lnlib pulled in {bad}"
     assert float(dt) < 1.0, f"import lnlib took {float(dt):.2f} s"
+
+
+def test_masked_arrays_are_refused():
+    """Issue 8: the mask of a masked array was silently ignored."""
+    xm = np.ma.masked_array(X, mask=X > 0)
+    with pytest.raises(TypeError, match="x is a masked array"):
+        lnlib.layer_norm(xm)
+    with pytest.raises(TypeError, match="weight is a masked array"):
+        lnlib.rms_norm(X, np.ma.masked_array(np.ones(4)))
+    with pytest.raises(TypeError, match="x is a masked array"):
+        lnlib.batch_norm(xm, None, None, training=True)
+
+
+def test_errors_name_the_argument_for_odd_values():
+    """Issue 8: eps=10**400, shift_shape=(-1,) or 8 and an empty doutputs list."""
+    with pytest.raises(ValueError, match="eps must be finite"):
+        lnlib.layer_norm(X, eps=10**400)
+    scale = np.zeros((2, 1, 4))
+    y, mean, rstd = lnlib.ada_layer_norm_forward(X, scale, scale)
+    for bad, kind in (((-1,), ValueError), (8, TypeError), ((2, 5), ValueError)):
+        with pytest.raises(kind, match="shift_shape"):
+            lnlib.ada_layer_norm_backward(X, X, mean, rstd, scale, shift_shape=bad)
+    with pytest.raises(ValueError, match="doutputs must be a non-empty sequence"):
+        lnlib.adaln_modulation_backward([], np.ones((2, 3)), np.ones((3, 6)))
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "OFF"])
+def test_kernel_switched_off_by_every_off_value(monkeypatch, value):
+    """Issue 8: LNLIB_CPU_KERNEL=false kept the kernel."""
+    from lnlib import _backend
+
+    monkeypatch.setenv("LNLIB_CPU_KERNEL", value)
+    kernel = lnlib.show_config(file=False)["implementations"]["kernel"]
+    assert not kernel["available"] and "LNLIB_CPU_KERNEL" in kernel["reason"]
+    assert _backend.select("layer_norm_forward", np, np.float32).__module__ == \
+        "lnlib._cpu.numpy_rows"
+    with pytest.raises(RuntimeError, match="not available here: disabled by LNLIB_CPU_KERNEL"):
+        with lnlib.use_implementation("kernel"):
+            lnlib.layer_norm(X.astype(np.float32))
+
+
+def test_unknown_kernel_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv("LNLIB_CPU_KERNEL", "maybe")
+    with pytest.raises(ValueError, match="LNLIB_CPU_KERNEL must be one of .* got 'maybe'"):
+        lnlib.layer_norm(X)
+    config = lnlib.show_config(file=False)  # reports it instead of failing
+    assert "LNLIB_CPU_KERNEL must be one of" in config["implementations"]["kernel"]["reason"]
+
+
+def test_use_implementation_names_and_errors():
+    with pytest.raises(ValueError, match="name must be one of .*'numpy'.* got 'fast'"):
+        with lnlib.use_implementation("fast"):
+            pass
+    with pytest.raises(TypeError, match=r"use_implementation\('kernel'\).*float16"):
+        with lnlib.use_implementation("kernel"):
+            lnlib.layer_norm(X.astype(np.float16))
+    with pytest.raises(TypeError, match=r"use_implementation\('cuda'\).*cupy arrays.*numpy"):
+        with lnlib.use_implementation("cuda"):
+            lnlib.layer_norm(X)
+
+
+@pytest.mark.parametrize("name", ["numpy", "reference", "auto"])
+def test_forced_implementations_compute_the_same(rng, name):
+    x = rng.standard_normal((5, 7))
+    with lnlib.use_implementation(name):
+        assert lnlib.show_config(file=False)["forced"] == name
+        got = lnlib.layer_norm_forward(x, np.ones(7), np.zeros(7))
+    for g, w in zip(got, lnlib.reference.layer_norm_forward(x, np.ones(7), np.zeros(7))):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    assert lnlib.show_config(file=False)["forced"] == "auto"
+
+
+def test_show_config_prints_and_returns(capsys):
+    config = lnlib.show_config()
+    printed = capsys.readouterr().out
+    assert set(config["implementations"]) >= {"kernel", "numpy", "reference", "cuda"}
+    for name, row in config["implementations"].items():
+        assert name in printed and row["reason"]
+    assert config["implementations"]["numpy"]["available"]
