@@ -133,6 +133,16 @@ def saved_stats(x, **stats):
     return k
 
 
+def normalized_shape_value(normalized_shape):
+    """``normalized_shape`` (an int or a sequence of ints) as a tuple of positive ints."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        normalized_shape = (normalized_shape,)
+    shape = shape_value(normalized_shape, "normalized_shape")
+    if not shape or 0 in shape:
+        raise ValueError(f"normalized_shape must be non-empty and without zeros, got {shape}")
+    return shape
+
+
 def shape_value(shape, name):
     """Return ``shape`` as a tuple of non-negative ints, or raise naming ``name``."""
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):

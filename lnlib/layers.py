@@ -7,6 +7,7 @@ one step: call ``backward`` after the ``forward`` whose gradient you want.
 
 import numpy as np
 
+from ._validate import normalized_shape_value, weight_offset_value
 from .ada_norm import (ada_layer_norm_backward, ada_layer_norm_forward, adaln_modulation,
                        adaln_modulation_backward, adaln_zero_init)
 from .batch_norm import batch_norm_backward, batch_norm_forward
@@ -17,11 +18,7 @@ from .rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh"]
 
-
-def _shape(normalized_shape):
-    if isinstance(normalized_shape, (int, np.integer)):
-        return (int(normalized_shape),)
-    return tuple(int(n) for n in normalized_shape)
+_shape = normalized_shape_value  # int or sequence of ints -> tuple, checked
 
 
 class _Saved:
@@ -46,6 +43,9 @@ class LayerNorm(_Saved):
         Whether to hold a weight (ones) and, if ``bias``, a bias (zeros).
     bias : bool, default True
     dtype : dtype, default float32
+    weight_offset : float, default 0.0
+        Keyword only. The scale is ``weight_offset + weight``; the weight starts at
+        ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``).
 
     Attributes
     ----------
@@ -54,22 +54,28 @@ class LayerNorm(_Saved):
         Gradients from the last :meth:`backward`.
     """
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, dtype=np.float32):
-        self.normalized_shape = _shape(normalized_shape)
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 dtype=np.float32, *, weight_offset=0.0):
+        self.normalized_shape = normalized_shape_value(normalized_shape)
         self.eps = eps
-        self.weight = np.ones(self.normalized_shape, dtype) if elementwise_affine else None
+        self.weight_offset = weight_offset_value(weight_offset,
+                                                 True if elementwise_affine else None)
+        self.weight = (np.full(self.normalized_shape, 1 - self.weight_offset, dtype)
+                       if elementwise_affine else None)
         self.bias = np.zeros(self.normalized_shape, dtype) if elementwise_affine and bias else None
         self.dweight = self.dbias = None
 
     def forward(self, x):
         y, mean, rstd = layer_norm_forward(x, self.weight, self.bias, eps=self.eps,
-                                           normalized_ndim=len(self.normalized_shape))
+                                           normalized_ndim=len(self.normalized_shape),
+                                           weight_offset=self.weight_offset)
         self._saved = (x, mean, rstd)
         return y
 
     def backward(self, dy):
         x, mean, rstd = self._take()
-        dx, dweight, dbias = layer_norm_backward(dy, x, mean, rstd, self.weight)
+        dx, dweight, dbias = layer_norm_backward(dy, x, mean, rstd, self.weight,
+                                                 weight_offset=self.weight_offset)
         self.dweight = dweight if self.weight is not None else None
         self.dbias = dbias if self.bias is not None else None
         return dx
@@ -86,22 +92,32 @@ class RMSNorm(_Saved):
     eps : float, default 1e-6
     elementwise_affine : bool, default True
     dtype : dtype, default float32
+    weight_offset : float, default 0.0
+        Keyword only. The gain is ``weight_offset + weight``; the weight starts at
+        ``1 - weight_offset`` (zeros for Gemma's zero-centred gain, ``weight_offset=1.0``).
     """
 
-    def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32):
-        self.normalized_shape = _shape(normalized_shape)
+    def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32,
+                 *, weight_offset=0.0):
+        self.normalized_shape = normalized_shape_value(normalized_shape)
         self.eps = eps
-        self.weight = np.ones(self.normalized_shape, dtype) if elementwise_affine else None
+        self.weight_offset = weight_offset_value(weight_offset,
+                                                 True if elementwise_affine else None)
+        self.weight = (np.full(self.normalized_shape, 1 - self.weight_offset, dtype)
+                       if elementwise_affine else None)
         self.dweight = None
 
     def forward(self, x):
-        y, rstd = rms_norm_forward(x, self.weight, eps=self.eps, normalized_ndim=len(self.normalized_shape))
+        y, rstd = rms_norm_forward(x, self.weight, eps=self.eps,
+                                   normalized_ndim=len(self.normalized_shape),
+                                   weight_offset=self.weight_offset)
         self._saved = (x, rstd)
         return y
 
     def backward(self, dy):
         x, rstd = self._take()
-        dx, dweight = rms_norm_backward(dy, x, rstd, self.weight)
+        dx, dweight = rms_norm_backward(dy, x, rstd, self.weight,
+                                        weight_offset=self.weight_offset)
         self.dweight = dweight if self.weight is not None else None
         return dx
 

@@ -27,14 +27,14 @@ Zhang and Sennrich (2019), *Root Mean Square Layer Normalization*, NeurIPS.
 
 from __future__ import annotations
 
-import numbers
+import functools
 
 import numpy as np
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 import lnlib
+from lnlib import _validate
 
 __all__ = [
     "LayerNormFunction",
@@ -82,6 +82,29 @@ def _to_tensor(a, like):
     return t
 
 
+def first_order_only(backward):
+    """Decorator for a ``backward`` that torch must not differentiate again.
+
+    lnlib's backward passes run in NumPy, outside torch's graph: a graph built through them
+    (``create_graph=True``, ``torch.autograd.functional.hessian``, ``gradgradcheck``) would
+    hold zeros or nothing where second derivatives belong. The backward therefore refuses
+    to run with grad mode on, which is exactly when torch builds that graph.
+    """
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(ctx).__name__.removesuffix('Backward')}: lnlib's backward is not "
+                "differentiable (no double backward), so create_graph=True, "
+                "torch.autograd.functional.hessian and gradgradcheck are not supported; "
+                "use the torch.nn.functional version of this operation for second derivatives"
+            )
+        with torch.no_grad():
+            return backward(ctx, *grads)
+
+    return wrapper
+
+
 def _check_tensor(name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -92,23 +115,26 @@ def _check_tensor(name, t):
 class LayerNormFunction(torch.autograd.Function):
     r"""Autograd function for LayerNorm whose forward and backward are lnlib's.
 
-    ``LayerNormFunction.apply(x, weight, bias, normalized_ndim, eps)`` computes
+    ``LayerNormFunction.apply(x, weight, bias, normalized_ndim, eps[, weight_offset])``
+    computes
 
     .. math::
 
-        y = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} \odot \gamma + \beta
+        y = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} \odot (o + \gamma) + \beta
 
-    over the last ``normalized_ndim`` axes, saving ``x``, ``mean`` and ``rstd``
-    for the backward (book, Chapter 5, "What the forward saves"). ``weight``
-    and ``bias`` may be ``None``. Not twice differentiable.
+    (:math:`o` = ``weight_offset``, default 0) over the last ``normalized_ndim`` axes, saving
+    ``x``, ``mean`` and ``rstd`` for the backward (book, Chapter 5, "What the forward saves").
+    ``weight`` and ``bias`` may be ``None``. Not twice differentiable: a backward with
+    ``create_graph=True`` raises ``RuntimeError`` (see :func:`first_order_only`).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, normalized_ndim, eps):
+    def forward(ctx, x, weight, bias, normalized_ndim, eps, *weight_offset):
         y, mean, rstd = lnlib.layer_norm_forward(
             _to_array(x), _to_array(weight), _to_array(bias),
-            eps=eps, normalized_ndim=normalized_ndim,
+            eps=eps, normalized_ndim=normalized_ndim, weight_offset=sum(weight_offset),
         )
+        ctx.weight_offset = weight_offset
         mean_t = torch.from_numpy(mean) if isinstance(mean, np.ndarray) else torch.from_dlpack(mean)
         rstd_t = torch.from_numpy(rstd) if isinstance(rstd, np.ndarray) else torch.from_dlpack(rstd)
         ctx.save_for_backward(x, weight, mean_t, rstd_t)
@@ -117,13 +143,14 @@ class LayerNormFunction(torch.autograd.Function):
         return _to_tensor(y, x), mean_t, rstd_t
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dy, _dmean, _drstd):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = lnlib.layer_norm_backward(
-            _to_array(dy), _to_array(x), _to_array(mean), _to_array(rstd), _to_array(weight)
+            _to_array(dy), _to_array(x), _to_array(mean), _to_array(rstd), _to_array(weight),
+            weight_offset=sum(ctx.weight_offset),
         )
-        grads = [None, None, None, None, None]
+        grads = [None] * (5 + len(ctx.weight_offset))
         if ctx.needs_input_grad[0]:
             grads[0] = _to_tensor(dx, x)
         if weight is not None and ctx.needs_input_grad[1]:
@@ -136,34 +163,37 @@ class LayerNormFunction(torch.autograd.Function):
 class RMSNormFunction(torch.autograd.Function):
     r"""Autograd function for RMSNorm whose forward and backward are lnlib's.
 
-    ``RMSNormFunction.apply(x, weight, normalized_ndim, eps)`` computes
+    ``RMSNormFunction.apply(x, weight, normalized_ndim, eps[, weight_offset])`` computes
 
     .. math::
 
-        y = \frac{x}{\sqrt{\overline{x^2} + \epsilon}} \odot \gamma
+        y = \frac{x}{\sqrt{\overline{x^2} + \epsilon}} \odot (o + \gamma)
 
     over the last ``normalized_ndim`` axes, saving ``x`` and ``rstd``.
-    ``weight`` may be ``None``. Not twice differentiable.
+    ``weight`` may be ``None``. Not twice differentiable (see :func:`first_order_only`).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, normalized_ndim, eps):
+    def forward(ctx, x, weight, normalized_ndim, eps, *weight_offset):
         y, rstd = lnlib.rms_norm_forward(
-            _to_array(x), _to_array(weight), eps=eps, normalized_ndim=normalized_ndim
+            _to_array(x), _to_array(weight), eps=eps, normalized_ndim=normalized_ndim,
+            weight_offset=sum(weight_offset),
         )
+        ctx.weight_offset = weight_offset
         rstd_t = torch.from_numpy(rstd) if isinstance(rstd, np.ndarray) else torch.from_dlpack(rstd)
         ctx.save_for_backward(x, weight, rstd_t)
         ctx.mark_non_differentiable(rstd_t)
         return _to_tensor(y, x), rstd_t
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dy, _drstd):
         x, weight, rstd = ctx.saved_tensors
         dx, dweight = lnlib.rms_norm_backward(
-            _to_array(dy), _to_array(x), _to_array(rstd), _to_array(weight)
+            _to_array(dy), _to_array(x), _to_array(rstd), _to_array(weight),
+            weight_offset=sum(ctx.weight_offset),
         )
-        grads = [None, None, None, None]
+        grads = [None] * (4 + len(ctx.weight_offset))
         if ctx.needs_input_grad[0]:
             grads[0] = _to_tensor(dx, x)
         if weight is not None and ctx.needs_input_grad[1]:
@@ -172,12 +202,21 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def _normalized_shape(normalized_shape):
-    if isinstance(normalized_shape, numbers.Integral):
-        return (int(normalized_shape),)
-    return tuple(int(n) for n in normalized_shape)
+    return _validate.normalized_shape_value(normalized_shape)
 
 
-def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+def _trailing_shape(x, normalized_shape):
+    """Check that ``x`` ends with ``normalized_shape``; return it as a tuple."""
+    _check_tensor("x", x)
+    shape = _normalized_shape(normalized_shape)
+    if x.ndim < len(shape) or tuple(x.shape[x.ndim - len(shape):]) != shape:
+        raise ValueError(
+            f"x: expected trailing axes {shape} (normalized_shape), got shape {tuple(x.shape)}"
+        )
+    return shape
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0):
     r"""LayerNorm of a tensor through lnlib, like ``torch.nn.functional.layer_norm``.
 
     Parameters
@@ -188,11 +227,14 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     weight, bias : torch.Tensor of shape ``normalized_shape`` or None
     eps : float
         Added to the variance inside the square root.
+    weight_offset : float, default 0.0
+        Keyword only: the scale is ``weight_offset + weight`` (zero-centred gain with 1.0);
+        see :func:`lnlib.layer_norm_forward`.
 
     Returns
     -------
     torch.Tensor
-        Same shape and dtype as ``x``; differentiable with respect to ``x``,
+        Same shape and dtype as ``x``; differentiable (once) with respect to ``x``,
         ``weight`` and ``bias``.
 
     Raises
@@ -203,31 +245,23 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
         ``x`` does not end with ``normalized_shape``, or lnlib rejects the
         shapes of ``weight``/``bias``.
     """
-    _check_tensor("x", x)
-    shape = _normalized_shape(normalized_shape)
-    if tuple(x.shape[x.ndim - len(shape):]) != shape or x.ndim < len(shape):
-        raise ValueError(
-            f"x: expected trailing axes {shape} (normalized_shape), got shape {tuple(x.shape)}"
-        )
-    y, _, _ = LayerNormFunction.apply(x, weight, bias, len(shape), float(eps))
+    shape = _trailing_shape(x, normalized_shape)
+    y, _, _ = LayerNormFunction.apply(x, weight, bias, len(shape), float(eps),
+                                      float(weight_offset))
     return y
 
 
-def rms_norm(x, normalized_shape, weight=None, eps=None):
+def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     r"""RMSNorm of a tensor through lnlib, like ``torch.nn.functional.rms_norm``.
 
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch.
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch. ``weight_offset``
+    (keyword only) makes the gain ``weight_offset + weight``, as in Gemma with 1.0.
     Arguments, results and errors as in :func:`layer_norm`, without ``bias``.
     """
-    _check_tensor("x", x)
-    shape = _normalized_shape(normalized_shape)
-    if tuple(x.shape[x.ndim - len(shape):]) != shape or x.ndim < len(shape):
-        raise ValueError(
-            f"x: expected trailing axes {shape} (normalized_shape), got shape {tuple(x.shape)}"
-        )
+    shape = _trailing_shape(x, normalized_shape)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    y, _ = RMSNormFunction.apply(x, weight, len(shape), float(eps))
+    y, _ = RMSNormFunction.apply(x, weight, len(shape), float(eps), float(weight_offset))
     return y
 
 
@@ -244,19 +278,26 @@ class LayerNorm(nn.Module):
     bias : bool, default True
     device, dtype
         As for the parameters of ``torch.nn.LayerNorm``.
+    weight_offset : float, default 0.0
+        Keyword only. The scale is ``weight_offset + weight``, and ``weight`` starts at
+        ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``), so the
+        layer starts as the identity on normalized input whatever the offset.
 
     Book: Chapter 5, "A torch bridge".
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, weight_offset=0.0):
         super().__init__()
         self.normalized_shape = _normalized_shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
+        self.weight_offset = _validate.weight_offset_value(
+            weight_offset, True if elementwise_affine else None)
         factory = {"device": device, "dtype": dtype}
         if elementwise_affine:
-            self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory))
+            self.weight = nn.Parameter(torch.full(self.normalized_shape,
+                                                  1.0 - self.weight_offset, **factory))
             if bias:
                 self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory))
             else:
@@ -267,12 +308,13 @@ class LayerNorm(nn.Module):
 
     def reset_parameters(self):
         if self.weight is not None:
-            nn.init.ones_(self.weight)
+            nn.init.constant_(self.weight, 1.0 - self.weight_offset)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
     def forward(self, x):
-        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                          weight_offset=self.weight_offset)
 
     def extra_repr(self):
         return (f"{self.normalized_shape}, eps={self.eps}, "
@@ -288,32 +330,37 @@ class RMSNorm(nn.Module):
     eps : float or None, default None
         ``None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch.
     elementwise_affine : bool, default True
-        Learn ``weight``, initialised to ones.
+        Learn ``weight``, initialised to ``1 - weight_offset`` (ones by default).
     device, dtype
         As for the parameters of ``torch.nn.RMSNorm``.
+    weight_offset : float, default 0.0
+        Keyword only. The gain is ``weight_offset + weight``: with 1.0 the weight starts at
+        zero, as in Gemma's RMSNorm.
 
     Book: Chapter 5, "A torch bridge".
     """
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, weight_offset=0.0):
         super().__init__()
         self.normalized_shape = _normalized_shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
+        self.weight_offset = _validate.weight_offset_value(
+            weight_offset, True if elementwise_affine else None)
         if elementwise_affine:
-            self.weight = nn.Parameter(
-                torch.ones(self.normalized_shape, device=device, dtype=dtype)
-            )
+            self.weight = nn.Parameter(torch.full(
+                self.normalized_shape, 1.0 - self.weight_offset, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
 
     def reset_parameters(self):
         if self.weight is not None:
-            nn.init.ones_(self.weight)
+            nn.init.constant_(self.weight, 1.0 - self.weight_offset)
 
     def forward(self, x):
-        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps,
+                        weight_offset=self.weight_offset)
 
     def extra_repr(self):
         return (f"{self.normalized_shape}, eps={self.eps}, "
@@ -350,7 +397,7 @@ class GroupNormFunction(torch.autograd.Function):
         return _to_tensor(y, x), mean_t, rstd_t
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dy, _dmean, _drstd):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = lnlib.group_norm_backward(
@@ -384,7 +431,7 @@ class DynamicTanhFunction(torch.autograd.Function):
         return _to_tensor(y, x)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dy):
         x, alpha, weight = ctx.saved_tensors
         dx, dalpha, dweight, dbias = lnlib.dynamic_tanh_backward(

@@ -404,3 +404,37 @@ def test_parameter_gradient_column_sums_do_not_drift():
     _, mean, rstd = layer_norm_forward_rows(x, None, None, 1e-5)
     db = layer_norm_backward_rows(dy, x, mean, rstd, None, block_rows=1, threads=1)[2]
     np.testing.assert_allclose(db, dy.astype(np.float64).sum(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [1.0, -0.25])
+def test_weight_offset_matches_torch_composition(rng, dtype, offset):
+    """Issue 12: the scale is weight_offset + weight; dweight keeps its form."""
+    x, w, b, dy = _data(rng, (6, 4, 16), 1, dtype)
+    w = (0.1 * rng.standard_normal(16)).astype(dtype)  # zero-centred gain near 0
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, b, weight_offset=offset)
+    dx, dw, db = lnlib.layer_norm_backward(dy, x, mean, rstd, w, weight_offset=offset)
+    t64 = [torch_tensor(a.astype(np.float64), True) for a in (x, w, b)]
+    ty = F.layer_norm(t64[0], (16,), offset + t64[1], t64[2], 1e-5)
+    ty.backward(torch_tensor(dy.astype(np.float64)))
+    assert dw.dtype == w.dtype
+    assert_close(y, ty.detach().numpy(), dtype, factor=2)
+    assert_close(dx, t64[0].grad.numpy(), dtype, factor=8)
+    assert_close(dw, t64[1].grad.numpy(), dtype, factor=24)
+    assert_close(db, t64[2].grad.numpy(), dtype, factor=24)
+
+
+def test_weight_offset_finite_differences_and_default(rng):
+    x, w, b, dy = _data(rng, (3, 5), 1, np.float64)
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, b, weight_offset=1.0)
+    dx, dw, db = lnlib.layer_norm_backward(dy, x, mean, rstd, w, weight_offset=1.0)
+    lnlib.check_grad(lambda v: lnlib.layer_norm(v, w, b, weight_offset=1.0), x, dy, dx)
+    lnlib.check_grad(lambda v: lnlib.layer_norm(x, v, b, weight_offset=1.0), w, dy, dw,
+                     name="dweight")
+    np.testing.assert_array_equal(y, lnlib.layer_norm(x, 1.0 + w, b))
+    np.testing.assert_array_equal(lnlib.layer_norm(x, w, b),
+                                  lnlib.layer_norm(x, w, b, weight_offset=0.0))
+    with pytest.raises(ValueError, match="weight_offset=1.0 needs a weight"):
+        lnlib.layer_norm(x, None, b, weight_offset=1.0)
+    with pytest.raises(ValueError, match="weight_offset must be finite"):
+        lnlib.layer_norm(x, w, b, weight_offset=float("nan"))

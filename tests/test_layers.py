@@ -109,3 +109,17 @@ def test_adaln_zero_layer_starts_with_zero_gate_and_plain_norm(rng):
     y, gate = layer(x, rng.standard_normal((2, 3)).astype(np.float32))
     assert not gate.any()
     np.testing.assert_allclose(y, lnlib.layer_norm(x, eps=1e-6), atol=1e-6)
+
+
+def test_zero_centred_layers_start_as_the_plain_ones(rng):
+    """Issue 12: weight_offset=1.0 with the weight starting at zero is the same layer."""
+    x = rng.standard_normal((4, 6))
+    dy = rng.standard_normal((4, 6))
+    for cls in (lnlib.LayerNorm, lnlib.RMSNorm):
+        zc, plain = cls(6, dtype=np.float64, weight_offset=1.0), cls(6, dtype=np.float64)
+        assert not zc.weight.any()
+        np.testing.assert_array_equal(zc(x), plain(x))
+        np.testing.assert_array_equal(zc.backward(dy), plain.backward(dy))
+        np.testing.assert_array_equal(zc.dweight, plain.dweight)
+    with pytest.raises(ValueError, match="weight_offset"):
+        lnlib.RMSNorm(6, elementwise_affine=False, weight_offset=1.0)

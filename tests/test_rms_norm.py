@@ -104,3 +104,25 @@ def test_inputs_not_modified_and_float16_no_overflow(rng):
         np.testing.assert_array_equal(a, c)
     assert all(np.all(np.isfinite(a)) for a in (y, rstd, dx, dw))
     assert_close(y, reference.rms_norm_forward(x.astype(np.float64), w.astype(np.float64))[0], np.float16)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_weight_offset_matches_gemma_style_torch_composition(rng, dtype):
+    """Issue 12: Gemma's RMSNorm, x * rstd * (1 + weight), with weight initialised at zero."""
+    x = (rng.standard_normal((5, 3, 12)) * 2 + 0.5).astype(dtype)
+    w = (0.1 * rng.standard_normal(12)).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    y, rstd = lnlib.rms_norm_forward(x, w, weight_offset=1.0)
+    dx, dw = lnlib.rms_norm_backward(dy, x, rstd, w, weight_offset=1.0)
+    tx, tw = (torch_tensor(a.astype(np.float64), True) for a in (x, w))
+    ty = F.rms_norm(tx, (12,), 1.0 + tw, 1e-6)
+    ty.backward(torch_tensor(dy.astype(np.float64)))
+    assert_close(y, ty.detach().numpy(), dtype, factor=2)
+    assert_close(dx, tx.grad.numpy(), dtype, factor=8)
+    assert_close(dw, tw.grad.numpy(), dtype, factor=16)
+    if dtype == np.float64:
+        lnlib.check_grad(lambda v: lnlib.rms_norm(v, w, weight_offset=1.0), x, dy, dx)
+        lnlib.check_grad(lambda v: lnlib.rms_norm(x, v, weight_offset=1.0), w, dy, dw,
+                         name="dweight")
+    with pytest.raises(ValueError, match="needs a weight"):
+        lnlib.rms_norm_backward(dy, x, rstd, None, weight_offset=1.0)

@@ -166,3 +166,62 @@ def test_drop_in_trains_to_the_same_loss():
     loss_rms_ours = _train(_tiny_model(tb.RMSNorm, seed=4))
     loss_rms_torch = _train(_tiny_model(nn.RMSNorm, seed=4))
     assert loss_rms_ours == pytest.approx(loss_rms_torch, rel=1e-9)
+
+
+def _second_derivative_paths(fn, x):
+    """The three ways torch builds a graph through a backward."""
+    y = fn(x)
+    (g,) = torch.autograd.grad((y ** 3).sum(), x, create_graph=True)
+    torch.autograd.grad(g.sum(), x)
+    torch.autograd.functional.hessian(lambda v: (fn(v) ** 3).sum(), x)
+
+
+@pytest.mark.parametrize("which", ["layer_norm", "rms_norm", "LayerNorm", "RMSNorm"])
+def test_second_derivatives_raise_instead_of_returning_zeros(which):
+    """Issue 8: create_graph=True and hessian gave None or zeros through the bridge."""
+    x = _double(3, 5, seed=20).requires_grad_()
+    w = _double(5, seed=21, shift=1.0).requires_grad_()
+    fn = {"layer_norm": lambda v: tb.layer_norm(v, (5,), w),
+          "rms_norm": lambda v: tb.rms_norm(v, 5, w, eps=1e-6),
+          "LayerNorm": tb.LayerNorm(5, dtype=torch.float64),
+          "RMSNorm": tb.RMSNorm(5, eps=1e-6, dtype=torch.float64)}[which]
+    with pytest.raises(RuntimeError, match="not differentiable \\(no double backward\\)"):
+        _second_derivative_paths(fn, x)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.functional.hessian(lambda v: (fn(v) ** 3).sum(), x)
+    y = fn(x)  # first derivatives still work
+    y.backward(torch.ones_like(y))
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0, -0.5])
+def test_weight_offset_matches_torch_composition(offset):
+    x = _double(4, 6, 8, seed=30, scale=2.0, shift=1.0).requires_grad_()
+    w = _double(8, seed=31, scale=0.3).requires_grad_()
+    b = _double(8, seed=32).requires_grad_()
+    ref = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    y = tb.layer_norm(x, 8, w, b, weight_offset=offset)
+    y_ref = F.layer_norm(ref[0], (8,), offset + ref[1], ref[2], 1e-5)
+    r = tb.rms_norm(x, 8, w, eps=1e-6, weight_offset=offset)
+    r_ref = F.rms_norm(ref[0], (8,), offset + ref[1], 1e-6)
+    dy = _double(4, 6, 8, seed=33)
+    torch.autograd.backward((y, r), (dy, dy))
+    torch.autograd.backward((y_ref, r_ref), (dy, dy))
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(r, r_ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip((x, w, b), ref):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(
+        lambda x, w: tb.rms_norm(x, 8, w, eps=1e-6, weight_offset=offset), (x, w))
+
+
+def test_zero_centred_modules_start_as_the_plain_ones():
+    x = _double(3, 7, seed=34)
+    for mod, plain in ((tb.LayerNorm(7, weight_offset=1.0, dtype=torch.float64),
+                        nn.LayerNorm(7, dtype=torch.float64)),
+                       (tb.RMSNorm(7, eps=1e-6, weight_offset=1.0, dtype=torch.float64),
+                        nn.RMSNorm(7, eps=1e-6, dtype=torch.float64))):
+        assert torch.count_nonzero(mod.weight) == 0
+        torch.testing.assert_close(mod(x), plain(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="weight_offset"):
+        tb.LayerNorm(7, elementwise_affine=False, weight_offset=1.0)
