@@ -9,7 +9,7 @@ checker                            the reader writes
 =================================  =====================================================
 :func:`check_invariant_shift`      a non-constant vector ``b`` with LN(x + b) = LN(x)
 :func:`check_jacobian_spectrum`    ``fn(x, eps=1e-5) -> eigenvalues`` of J, without J
-:func:`check_weight_grad`          ``fn(W, x, dy, eps=1e-5) -> dW`` for y = LN(x W^T)
+:func:`check_weight_grad`          ``fn(W, x, dy, eps=1e-6) -> dW`` for y = RMSNorm(x W^T)
 :func:`check_next_sq_norm`         ``fn(sq_norm, grad_sq_norm, lr, wd) -> sq_norm``
 :func:`check_selectable_keys`      ``fn(keys) -> mask`` of the 2-d keys that can win
 :func:`check_batch_invariant_sum`  ``fn(x) -> row sums``, bitwise independent of the batch
@@ -133,15 +133,15 @@ def check_jacobian_spectrum(fn: Callable[..., Any]) -> CheckResult:
 
 # ------------------------------------------------ exercise: the gradient of a weight matrix
 
-def _ref_weight_grad(W, x, dy, eps=1e-5):
+def _ref_weight_grad(W, x, dy, eps=1e-6):
     h = x @ W.T                                          # (N, D)
-    _, mean, rstd = reference.layer_norm_forward(h, eps=eps)
-    dh = reference.layer_norm_backward(dy, h, mean, rstd)[0]
+    _, rstd = reference.rms_norm_forward(h, eps=eps)
+    dh = reference.rms_norm_backward(dy, h, rstd)[0]
     return dh.T @ x                                      # (D, D_in)
 
 
 def check_weight_grad(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(W, x, dy, eps=1e-5) -> dW`` for y = LN(x W^T) (no weight or bias).
+    """Check ``fn(W, x, dy, eps=1e-6) -> dW`` for y = RMSNorm(x W^T) (no weight).
 
     ``W`` has shape (D, D_in), ``x`` (N, D_in) and ``dy`` (N, D); ``dW`` has the shape of
     ``W``. Cases include a single row, a rescaled ``W`` (whose gradient must shrink by the
@@ -156,7 +156,9 @@ def check_weight_grad(fn: Callable[..., Any]) -> CheckResult:
                                 rng.normal(size=(1, 4)))),
         Case("the same W times 10 (the gradient is 10 times smaller)", (10 * w, x, dy)),
         Case("eps = 0 passed as a keyword", (w, x, dy), {"eps": 0.0}),
-        Case("dy = 1 everywhere (the gradient is zero)", (w, x, np.ones((7, 6))), atol=1e-12),
+        Case("dy = y: a gradient along the output itself (dW is zero at eps = 0)",
+             (w, x, reference.rms_norm_forward(x @ w.T, eps=0.0)[0]), {"eps": 0.0},
+             atol=1e-12),
     ]
     return check(fn, _ref_weight_grad, cases, rtol=1e-7, atol=1e-10,
                  name=getattr(fn, "__name__", "weight_grad"))

@@ -18,7 +18,15 @@ def spectrum_forgets_eps(x, eps=1e-5):
     return np.sort(np.concatenate([[0.0, 0.0], np.full(d - 2, rstd)]))
 
 
-def weight_grad(W, x, dy, eps=1e-5):
+def weight_grad(W, x, dy, eps=1e-6):
+    h = x @ W.T
+    rstd = 1 / np.sqrt((h * h).mean(axis=-1, keepdims=True) + eps)
+    yhat = h * rstd
+    dh = rstd * (dy - yhat * (dy * yhat).mean(-1, keepdims=True))
+    return dh.T @ x
+
+
+def weight_grad_layer_norm(W, x, dy, eps=1e-6):
     h = x @ W.T
     mean = h.mean(axis=-1, keepdims=True)
     rstd = 1 / np.sqrt(((h - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
@@ -27,7 +35,7 @@ def weight_grad(W, x, dy, eps=1e-5):
     return dh.T @ x
 
 
-def weight_grad_without_norm(W, x, dy, eps=1e-5):
+def weight_grad_without_norm(W, x, dy, eps=1e-6):
     return dy.T @ x
 
 
@@ -95,6 +103,7 @@ def test_jacobian_spectrum():
 def test_weight_grad():
     assert ch03.check_weight_grad(weight_grad).passed
     assert not ch03.check_weight_grad(weight_grad_without_norm).passed
+    assert not ch03.check_weight_grad(weight_grad_layer_norm).passed
 
 
 def test_next_sq_norm():
