@@ -57,6 +57,9 @@ import functools
 
 import numpy as np
 
+from ._backend import accumulation_dtype
+from .reference import layer_norm_dx
+
 __all__ = [
     "partial_moments",
     "merge_moments",
@@ -65,10 +68,6 @@ __all__ = [
     "sharded_layer_norm_backward",
     "shard_bounds",
 ]
-
-
-def _acc_dtype(dtype):
-    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
 
 def partial_moments(x):
@@ -88,7 +87,7 @@ def partial_moments(x):
     m2 : ndarray, shape (N,)
         :math:`\sum_j (x_j - \text{mean})^2` per row (two passes).
     """
-    acc = _acc_dtype(x.dtype)
+    acc = accumulation_dtype(x.dtype)
     xa = np.asarray(x, dtype=acc)  # (N, h)
     mean = xa.mean(axis=-1)  # (N,)
     xc = xa - mean[:, None]  # (N, h)
@@ -166,6 +165,40 @@ def shard_bounds(H, world_size, rank):
     return start, stop
 
 
+#: dtype codes exchanged between ranks before any data (float16, float32, float64, other).
+_DTYPE_CODES = {"float16": 16, "float32": 32, "float64": 64}
+
+
+def _agree(x, group, what):
+    """Exchange (rows, width, dtype) of every rank's shard before any collective on data.
+
+    Every rank receives the same table, so when the ranks disagree on the number of rows or
+    on the dtype, all of them raise the same ``ValueError``, naming the mismatch, instead of
+    letting a collective on mismatched buffers abort one process or mix up rows.
+
+    Returns the list of shard widths, in rank order.
+    """
+    import torch
+
+    if x.ndim != 2:
+        raise ValueError(f"{what}: expected a 2-D (N, h) tensor, got shape {tuple(x.shape)}")
+    code = _DTYPE_CODES.get(str(x.dtype).removeprefix("torch."), 0)
+    local = torch.tensor([[x.shape[0], x.shape[1], code]], dtype=torch.int64)
+    table = [[int(v) for v in t[0]] for t in _gather_rows(local, group)]
+    rows = [t[0] for t in table]
+    dtypes = [t[2] for t in table]
+    names = {16: "float16", 32: "float32", 64: "float64", 0: "another dtype"}
+    if len(set(rows)) > 1:
+        raise ValueError(f"{what}: the ranks hold different numbers of rows "
+                         f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(rows))}); "
+                         "every rank must hold the same rows, split by columns")
+    if len(set(dtypes)) > 1:
+        raise ValueError(f"{what}: the ranks hold different dtypes "
+                         f"({', '.join(f'rank {r}: {names[d]}' for r, d in enumerate(dtypes))})"
+                         "; every rank must use one dtype")
+    return [t[1] for t in table]
+
+
 def _gather_rows(local, group):
     """all_gather a (N, k) float tensor; return the list of P tensors in rank order."""
     import torch
@@ -203,12 +236,9 @@ def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=Non
     """
     import torch
 
-    if x.ndim != 2:
-        raise ValueError(f"x: expected a 2-D (N, h) tensor, got shape {tuple(x.shape)}")
+    counts = _agree(x, group, "x")
     xn = x.detach().cpu().numpy()
-    count, mean_r, m2_r = partial_moments(xn)
-    counts = _gather_rows(torch.tensor([[count]], dtype=torch.int64), group)
-    counts = [int(c.item()) for c in counts]
+    _, mean_r, m2_r = partial_moments(xn)
     local = torch.from_numpy(np.stack([mean_r, m2_r], axis=1))  # (N, 2)
     parts = [p.numpy() for p in _gather_rows(local, group)]
     H, mean, m2 = merge_moments(counts, [p[:, 0] for p in parts], [p[:, 1] for p in parts])
@@ -249,8 +279,11 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
     """
     import torch
 
+    if tuple(dy.shape) != tuple(x.shape):
+        raise ValueError(f"dy: expected the shape of x {tuple(x.shape)}, got {tuple(dy.shape)}")
+    H = sum(_agree(x, group, "x"))
     xn = x.detach().cpu().numpy()
-    acc = _acc_dtype(xn.dtype)
+    acc = accumulation_dtype(xn.dtype)
     dyn = dy.detach().cpu().numpy().astype(acc, copy=False)  # (N, h)
     meann = mean.detach().cpu().numpy().astype(acc, copy=False)  # (N,)
     rstdn = rstd.detach().cpu().numpy().astype(acc, copy=False)  # (N,)
@@ -261,11 +294,8 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
     total = parts[0].numpy().copy()  # (N, 2)
     for p in parts[1:]:
         total += p.numpy()
-    counts = _gather_rows(torch.tensor([[xn.shape[1]]], dtype=torch.int64), group)
-    H = sum(int(c.item()) for c in counts)
-    mean_g = total[:, 0] / H  # (N,)
-    mean_gx = total[:, 1] / H  # (N,)
-    dx = rstdn[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])  # (N, h)
+    means = (total[:, 0:1] / H, total[:, 1:2] / H)  # (N, 1) each, over the whole rows
+    dx = layer_norm_dx(g, xhat, rstdn[:, None], means=means)  # (N, h)
     dweight = np.einsum("ij,ij->j", dyn, xhat)  # (h,)
     dbias = dyn.sum(axis=0)  # (h,)
     dt = xn.dtype
@@ -313,7 +343,7 @@ def _sharded_function():
 # Self-check worker, importable so that torch.multiprocessing can spawn it (tests, CLI).
 
 
-def _worker(rank, world_size, port, N, H, seed, outdir, timeout_s):
+def _init_group(rank, world_size, port, timeout_s):
     import datetime
     import os
 
@@ -328,6 +358,47 @@ def _worker(rank, world_size, port, N, H, seed, outdir, timeout_s):
         "gloo", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def _mismatch_worker(rank, world_size, port, outdir, timeout_s):
+    """Each rank calls with a shard that disagrees with the others'; records the errors."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    _init_group(rank, world_size, port, timeout_s)
+    errors = {}
+    cases = {  # (rows, dtype) of this rank's x: rank 1 differs
+        "rows": ((4 + rank, 3), torch.float64),
+        "dtype": ((4, 3), torch.float32 if rank else torch.float64),
+    }
+    try:
+        for name, (shape, dtype) in cases.items():
+            x = torch.ones(shape, dtype=dtype)
+            for which, call in (("forward", lambda: sharded_layer_norm_forward(x)),
+                                ("backward", lambda: sharded_layer_norm_backward(
+                                    x, x, torch.zeros(shape[0], dtype=dtype),
+                                    torch.ones(shape[0], dtype=dtype)))):
+                try:
+                    call()
+                    errors[f"{name}-{which}"] = None
+                except ValueError as exc:
+                    errors[f"{name}-{which}"] = str(exc)
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(errors, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank, world_size, port, N, H, seed, outdir, timeout_s):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    _init_group(rank, world_size, port, timeout_s)
     try:
         x, weight, bias, dy = _problem(N, H, seed)
         lo, hi = shard_bounds(H, world_size, rank)
@@ -373,21 +444,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_sharded(world_size, N, H, seed, outdir, timeout_s=30.0):
-    """Spawn ``world_size`` gloo processes that each run a shard; return their results.
-
-    The processes are joined with a deadline and terminated if it passes, so no
-    process outlives this call. Returns a list of dicts, one per rank.
-    """
+def _spawn(worker, args, world_size, timeout_s):
+    """Run ``worker(rank, world_size, port, *args)`` in ``world_size`` spawned processes,
+    joined with a deadline and terminated if it passes, so none outlives this call."""
     import time
 
     import torch.multiprocessing as mp
 
     port = free_port()
-    ctx = mp.start_processes(
-        _worker, args=(world_size, port, N, H, seed, str(outdir), timeout_s),
-        nprocs=world_size, join=False, start_method="spawn",
-    )
+    ctx = mp.start_processes(worker, args=(world_size, port, *args), nprocs=world_size,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s + 30.0
     try:
         while not ctx.join(timeout=0.2):
@@ -401,10 +467,33 @@ def run_sharded(world_size, N, H, seed, outdir, timeout_s=30.0):
             if p.is_alive():  # pragma: no cover - a stuck process
                 p.kill()
                 p.join()
+
+
+def run_sharded(world_size, N, H, seed, outdir, timeout_s=30.0):
+    """Spawn ``world_size`` gloo processes that each run a shard; return their results.
+
+    The processes are joined with a deadline and terminated if it passes, so no
+    process outlives this call. Returns a list of dicts, one per rank.
+    """
     import os
 
+    _spawn(_worker, (N, H, seed, str(outdir), timeout_s), world_size, timeout_s)
     out = []
     for r in range(world_size):
         with np.load(os.path.join(str(outdir), f"rank{r}.npz")) as f:
             out.append({k: f[k] for k in f.files})
+    return out
+
+
+def run_mismatched(world_size, outdir, timeout_s=30.0):
+    """Spawn ranks whose shards disagree (rows, then dtype); return each rank's errors,
+    ``{case: message or None}``, as a list in rank order."""
+    import json
+    import os
+
+    _spawn(_mismatch_worker, (str(outdir), timeout_s), world_size, timeout_s)
+    out = []
+    for r in range(world_size):
+        with open(os.path.join(str(outdir), f"rank{r}.json")) as f:
+            out.append(json.load(f))
     return out

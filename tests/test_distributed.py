@@ -95,3 +95,16 @@ def test_sharded_equals_single_process(world_size, H, tmp_path):
             np.testing.assert_array_equal(r[f"{k}_autograd"], r[k])
     np.testing.assert_allclose(results[0]["mean"], mean, rtol=1e-14)
     np.testing.assert_allclose(results[0]["rstd"], rstd, rtol=1e-12)
+
+
+def test_mismatched_ranks_raise_clear_errors_on_every_rank(tmp_path):
+    """Issue 8: different row counts or dtypes aborted one rank (SIGABRT in gloo) and gave
+    another wrong statistics; now every rank raises a ValueError naming the mismatch."""
+    from lnlib.distributed import run_mismatched
+
+    results = run_mismatched(2, tmp_path, timeout_s=60.0)
+    for rank, errors in enumerate(results):
+        for call in ("forward", "backward"):
+            assert "different numbers of rows (rank 0: 4, rank 1: 5)" in errors[f"rows-{call}"]
+            assert "different dtypes (rank 0: float64, rank 1: float32)" in \
+                errors[f"dtype-{call}"]
