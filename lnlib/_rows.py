@@ -134,6 +134,11 @@ def as_rows(x, k):
     return x.reshape(-1, n)
 
 
+def expand_stat(stat, k):
+    """Append ``k`` axes of length one so that a per-row statistic broadcasts against x."""
+    return stat.reshape(stat.shape + (1,) * k)
+
+
 def param_row(param, dtype, offset=0.0):
     """A per-feature parameter as a flat ``(D,)`` vector in ``dtype``, plus ``offset``.
 

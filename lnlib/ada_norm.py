@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _validate as check
 from ._backend import accumulation_dtype, get_array_module, select
-from ._rows import as_rows, sum_to_shape
+from ._rows import as_rows, expand_stat, sum_to_shape
 
 __all__ = [
     "ada_layer_norm",
@@ -153,8 +153,8 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
         dx[idx] = backward_rows(as_rows(g, k), as_rows(x_b, k), mean[idx].reshape(-1),
                                 rstd[idx].reshape(-1), None)[0].reshape(x_b.shape)
         xhat = x_b.astype(acc)  # (n, D)
-        xhat -= mean[idx].reshape(mean[idx].shape + (1,) * k)
-        xhat *= rstd[idx].reshape(rstd[idx].shape + (1,) * k)
+        xhat -= expand_stat(mean[idx], k)
+        xhat *= expand_stat(rstd[idx], k)
         xhat *= dy_b
         dscale[s_idx] += sum_to_shape(xhat, dscale[s_idx].shape, np.float64)
     dshift = sum_to_shape(dy, shift_shape, np.float64).astype(scale.dtype)

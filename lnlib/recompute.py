@@ -23,16 +23,14 @@ Book: Chapter 5, "Recomputing from the output".
 import numpy as np
 
 from ._backend import get_array_module
+from ._rows import expand_stat
+from .reference import layer_norm_dx, rms_norm_dx
 
 __all__ = [
     "layer_norm_backward_from_output",
     "rms_norm_backward_from_output",
     "saved_bytes",
 ]
-
-
-def _expand(stat, k):
-    return stat.reshape(stat.shape + (1,) * k)
 
 
 def _xhat_from_output(y, rstd, weight, bias, name):
@@ -98,8 +96,7 @@ def layer_norm_backward_from_output(dy, y, rstd, weight=None, bias=None):
     rows = tuple(range(y.ndim - k))
     dya = dy.astype(acc)
     g = dya if weight is None else dya * weight.astype(acc)
-    dx = _expand(rstd, k) * (g - g.mean(axis=axes, keepdims=True)
-                             - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    dx = layer_norm_dx(g, xhat, expand_stat(rstd, k), axes)
     pdtype = y.dtype if weight is None else weight.dtype
     return (dx.astype(y.dtype), (dya * xhat).sum(axis=rows).astype(pdtype),
             dya.sum(axis=rows).astype(pdtype))
@@ -123,7 +120,7 @@ def rms_norm_backward_from_output(dy, y, rstd, weight=None):
     rows = tuple(range(y.ndim - k))
     dya = dy.astype(acc)
     g = dya if weight is None else dya * weight.astype(acc)
-    dx = _expand(rstd, k) * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    dx = rms_norm_dx(g, xhat, expand_stat(rstd, k), axes)
     pdtype = y.dtype if weight is None else weight.dtype
     return dx.astype(y.dtype), (dya * xhat).sum(axis=rows).astype(pdtype)
 

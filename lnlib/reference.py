@@ -16,16 +16,12 @@ results come back in the dtype of ``x`` (parameter gradients in the dtype of the
 """
 
 from ._backend import accumulation_dtype, get_array_module
+from ._rows import expand_stat as _expand
 from ._rows import sum_to_shape
 
 
 def _last_axes(ndim, k):
     return tuple(range(ndim - k, ndim))
-
-
-def _expand(stat, k):
-    """Append ``k`` axes of length one so that a per-row statistic broadcasts against x."""
-    return stat.reshape(stat.shape + (1,) * k)
 
 
 def layer_norm_dx(g, xhat, rstd, axes=None, means=None):
@@ -59,6 +55,19 @@ def layer_norm_dx(g, xhat, rstd, axes=None, means=None):
                  (g * xhat).mean(axis=axes, keepdims=True))  # (N, 1)
     g_mean, gxhat_mean = means
     return rstd * (g - g_mean - xhat * gxhat_mean)  # (N, D)
+
+
+def rms_norm_dx(g, xhat, rstd, axes):
+    r"""The RMSNorm backward from :math:`\hat{x} = x\,r`: the one copy of this formula.
+
+    .. math::
+
+        dx = r\,\big(g - \hat{x}\,\overline{g\hat{x}}\big), \qquad g = dy\,\gamma .
+
+    Arguments as in :func:`layer_norm_dx`; returns an array of the shape of ``g``.
+    """
+    gxhat_mean = (g * xhat).mean(axis=axes, keepdims=True)  # (N, 1)
+    return rstd * (g - xhat * gxhat_mean)  # (N, D)
 
 
 def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1):
@@ -111,8 +120,7 @@ def rms_norm_backward(dy, x, rstd, weight=None):
     xhat = x.astype(acc) * _expand(rstd, k)  # (N, D)
     dya = dy.astype(acc)  # (N, D)
     g = dya if weight is None else dya * weight.astype(acc)  # (N, D)
-    gxhat_mean = (g * xhat).mean(axis=axes, keepdims=True)  # (N, 1)
-    dx = _expand(rstd, k) * (g - xhat * gxhat_mean)  # (N, D)
+    dx = rms_norm_dx(g, xhat, _expand(rstd, k), axes)  # (N, D)
     pdtype = x.dtype if weight is None else weight.dtype
     return dx.astype(x.dtype), (dya * xhat).sum(axis=rows).astype(pdtype)  # (N, D), (D,)
 
