@@ -9,8 +9,8 @@ checker                            the reader writes
 =================================  ====================================================
 :func:`check_batch_normalize`      ``fn(x, eps=1e-5) -> y``: BatchNorm of an (N, C) batch
                                    with the batch's own statistics, no affine parameters
-:func:`check_pair_output`          ``fn(a, b, eps=1e-5) -> y``: BatchNorm's output for the
-                                   first row of the batch ``[a, b]``, from ``a - b`` alone
+:func:`check_pair_output`          ``fn(x1, x2, eps=1e-5) -> y``: BatchNorm's output for the
+                                   first row of the batch ``[x1, x2]``, from ``x1 - x2`` alone
 :func:`check_running_update`       ``fn(running_mean, running_var, x, momentum=0.1)
                                    -> (new_mean, new_var)``
 :func:`check_fold_eval_batch_norm` ``fn(W, b, running_mean, running_var, gamma, beta,
@@ -88,10 +88,11 @@ def _ref_pair_output(a, b, eps=1e-5):
 
 
 def check_pair_output(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(a, b, eps=1e-5) -> y``: BatchNorm's training output for ``a`` in the batch [a, b].
+    """Check ``fn(x1, x2, eps=1e-5) -> y``: BatchNorm's training output for ``x1`` in the
+    batch ``[x1, x2]``.
 
-    ``a`` and ``b`` have shape (C,); the result has shape (C,). The exercise asks for a formula
-    in ``a - b`` and ``eps`` only; the check compares values with BatchNorm of the stacked batch.
+    ``x1`` and ``x2`` have shape (C,); the result has shape (C,). The exercise asks for a
+    formula in ``x1 - x2`` and ``eps`` only; the check compares values with BatchNorm of the stacked batch.
     """
     rng = _rng()
     cases = [
