@@ -35,6 +35,56 @@ def cpu_path(request):
             yield "numpy"
 
 
+def _cupy_with_gpu():
+    """``(cupy, "")`` where CuPy and a CUDA GPU are present, else ``(None, reason)``."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return None, f"CuPy is not installed ({exc})"
+    try:
+        if cupy.cuda.is_available():
+            return cupy, ""
+        return None, "CuPy finds no CUDA GPU"
+    except Exception as exc:  # noqa: BLE001 - a broken CUDA install means no GPU here
+        return None, f"CUDA is not usable ({exc})"
+
+
+@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request):
+    """The array module of a test: NumPy always, CuPy where a CUDA GPU is present.
+
+    A missing GPU skips the CuPy run, with the reason; with ``LNLIB_REQUIRE_GPU=1`` it fails
+    instead, so a run on a GPU machine cannot pass without running on the GPU. Inside a
+    module that also uses ``cpu_path``, the CuPy run selects as "auto" (the CPU paths do not
+    apply to CuPy arrays).
+    """
+    if request.param == "numpy":
+        yield np
+        return
+    cupy, reason = _cupy_with_gpu()
+    if cupy is None:
+        if os.environ.get("LNLIB_REQUIRE_GPU") == "1":
+            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but {reason}")
+        pytest.skip(reason)
+    import lnlib
+
+    if "cpu_path" in request.fixturenames:
+        request.getfixturevalue("cpu_path")  # entered first, so that "auto" below wins
+    with lnlib.use_implementation("auto"):
+        yield cupy
+
+
+def on(xp, *arrays):
+    """The arrays (NumPy or None) moved to the array module ``xp``."""
+    out = tuple(None if a is None else xp.asarray(a) for a in arrays)
+    return out if len(out) != 1 else out[0]
+
+
+def host(a):
+    """An array of NumPy or CuPy (or None) as a NumPy array."""
+    return None if a is None else (a.get() if hasattr(a, "get") else np.asarray(a))
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

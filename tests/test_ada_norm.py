@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import lnlib
 from lnlib import reference
-from conftest import assert_close, torch_tensor
+from conftest import assert_close, host, on, torch_tensor
 
 # Every test here runs with the compiled CPU kernel and with the NumPy fast path.
 pytestmark = pytest.mark.usefixtures("cpu_path")
@@ -25,10 +25,11 @@ def _data(rng, xshape, mshape, dtype):
 
 @pytest.mark.parametrize("xshape,mshape", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_torch(rng, xshape, mshape, dtype):
+def test_matches_torch(rng, xp, xshape, mshape, dtype):
     x, shift, scale, dy = _data(rng, xshape, mshape, dtype)
-    y, mean, rstd = lnlib.ada_layer_norm_forward(x, shift, scale)
-    dx, dshift, dscale = lnlib.ada_layer_norm_backward(dy, x, mean, rstd, scale)
+    y, mean, rstd = lnlib.ada_layer_norm_forward(*on(xp, x, shift, scale))
+    dx, dshift, dscale = lnlib.ada_layer_norm_backward(*on(xp, dy, x), mean, rstd, on(xp, scale))
+    y, dx, dshift, dscale = map(host, (y, dx, dshift, dscale))
     t64 = [torch_tensor(a.astype(np.float64), True) for a in (x, shift, scale)]
     ty = F.layer_norm(t64[0], xshape[-1:], eps=1e-6) * (1 + t64[2]) + t64[1]
     ty.backward(torch_tensor(dy.astype(np.float64)))
@@ -42,17 +43,21 @@ def test_matches_torch(rng, xshape, mshape, dtype):
 
 
 @pytest.mark.parametrize("xshape,mshape", CASES)
-def test_matches_reference_and_finite_differences(rng, xshape, mshape):
+def test_matches_reference_and_finite_differences(rng, xp, xshape, mshape):
     x, shift, scale, dy = _data(rng, xshape, mshape, np.float64)
-    fast = lnlib.ada_layer_norm_forward(x, shift, scale)
+    fast = [host(a) for a in lnlib.ada_layer_norm_forward(*on(xp, x, shift, scale))]
     for g, w in zip(fast, reference.ada_layer_norm_forward(x, shift, scale)):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
-    dx, dshift, dscale = lnlib.ada_layer_norm_backward(dy, x, *fast[1:], scale)
+    dx, dshift, dscale = map(host, lnlib.ada_layer_norm_backward(*on(xp, dy, x, *fast[1:], scale)))
     for g, w in zip((dx, dshift, dscale), reference.ada_layer_norm_backward(dy, x, *fast[1:], scale)):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
-    lnlib.check_grad(lambda v: lnlib.ada_layer_norm(v, shift, scale), x, dy, dx)
-    lnlib.check_grad(lambda v: lnlib.ada_layer_norm(x, v, scale), shift, dy, dshift, name="dshift")
-    lnlib.check_grad(lambda v: lnlib.ada_layer_norm(x, shift, v), scale, dy, dscale, name="dscale")
+
+    def f(x, shift, scale):
+        return host(lnlib.ada_layer_norm(*on(xp, x, shift, scale)))
+
+    lnlib.check_grad(lambda v: f(v, shift, scale), x, dy, dx)
+    lnlib.check_grad(lambda v: f(x, v, scale), shift, dy, dshift, name="dshift")
+    lnlib.check_grad(lambda v: f(x, shift, v), scale, dy, dscale, name="dscale")
 
 
 def test_shift_shape_differs_from_scale(rng):

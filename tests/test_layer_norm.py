@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import lnlib
 from lnlib import reference
-from conftest import assert_close, torch_tensor
+from conftest import assert_close, host, on, torch_tensor
 
 # Every test here runs with the compiled CPU kernel and with the NumPy fast path.
 pytestmark = pytest.mark.usefixtures("cpu_path")
@@ -39,10 +39,11 @@ def _torch_layer_norm(x, w, b, dy, k, eps):
 @pytest.mark.parametrize("shape,k", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("affine", [True, False])
-def test_matches_torch(rng, shape, k, dtype, affine):
+def test_matches_torch(rng, xp, shape, k, dtype, affine):
     x, w, b, dy = _data(rng, shape, k, dtype, affine)
-    y, mean, rstd = lnlib.layer_norm_forward(x, w, b, eps=1e-5, normalized_ndim=k)
-    dx, dw, db = lnlib.layer_norm_backward(dy, x, mean, rstd, w)
+    y, mean, rstd = lnlib.layer_norm_forward(*on(xp, x, w, b), eps=1e-5, normalized_ndim=k)
+    dx, dw, db = lnlib.layer_norm_backward(*on(xp, dy, x), mean, rstd, on(xp, w))
+    y, mean, rstd, dx, dw, db = map(host, (y, mean, rstd, dx, dw, db))
     ty, (tdx, tdw, tdb) = _torch_layer_norm(x, w, b, dy, k, 1e-5)
     assert y.dtype == x.dtype and dx.dtype == x.dtype
     assert mean.shape == rstd.shape == shape[: len(shape) - k]
@@ -69,28 +70,33 @@ def test_float64_matches_torch_to_1e_10(rng, shape, k):
 
 @pytest.mark.parametrize("shape,k", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_reference(rng, shape, k, dtype):
+def test_matches_reference(rng, xp, shape, k, dtype):
     x, w, b, dy = _data(rng, shape, k, dtype)
-    fast = lnlib.layer_norm_forward(x, w, b, normalized_ndim=k)
+    fast = lnlib.layer_norm_forward(*on(xp, x, w, b), normalized_ndim=k)
     ref = reference.layer_norm_forward(x, w, b, normalized_ndim=k)
     for got, want in zip(fast, ref):
+        assert isinstance(got, xp.ndarray)
         assert got.dtype == want.dtype and got.shape == want.shape
-        assert_close(got, want, dtype)
-    fast = lnlib.layer_norm_backward(dy, x, *ref[1:], w)
+        assert_close(host(got), want, dtype)
+    fast = lnlib.layer_norm_backward(*on(xp, dy, x, *ref[1:], w))
     refb = reference.layer_norm_backward(dy, x, *ref[1:], w)
     for got, want in zip(fast, refb):
         assert got.dtype == want.dtype
-        assert_close(got, want, dtype, factor=x.size)
+        assert_close(host(got), want, dtype, factor=x.size)
 
 
 @pytest.mark.parametrize("shape,k", [((3, 6), 1), ((2, 3, 4), 2), ((2, 2, 2, 3), 3)])
-def test_finite_differences(rng, shape, k):
+def test_finite_differences(rng, xp, shape, k):
     x, w, b, dy = _data(rng, shape, k, np.float64)
-    y, mean, rstd = lnlib.layer_norm_forward(x, w, b, normalized_ndim=k)
-    dx, dw, db = lnlib.layer_norm_backward(dy, x, mean, rstd, w)
-    lnlib.check_grad(lambda v: lnlib.layer_norm(v, w, b, normalized_ndim=k), x, dy, dx)
-    lnlib.check_grad(lambda v: lnlib.layer_norm(x, v, b, normalized_ndim=k), w, dy, dw, name="dweight")
-    lnlib.check_grad(lambda v: lnlib.layer_norm(x, w, v, normalized_ndim=k), b, dy, db, name="dbias")
+    y, mean, rstd = lnlib.layer_norm_forward(*on(xp, x, w, b), normalized_ndim=k)
+    dx, dw, db = map(host, lnlib.layer_norm_backward(*on(xp, dy, x), mean, rstd, on(xp, w)))
+
+    def f(x, w, b):
+        return host(lnlib.layer_norm(*on(xp, x, w, b), normalized_ndim=k))
+
+    lnlib.check_grad(lambda v: f(v, w, b), x, dy, dx)
+    lnlib.check_grad(lambda v: f(x, v, b), w, dy, dw, name="dweight")
+    lnlib.check_grad(lambda v: f(x, w, v), b, dy, db, name="dbias")
 
 
 def test_gradients_without_affine_are_those_of_unit_weight_zero_bias(rng):

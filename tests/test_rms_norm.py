@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import lnlib
 from lnlib import reference
-from conftest import assert_close, torch_tensor
+from conftest import assert_close, host, on, torch_tensor
 
 # Every test here runs with the compiled CPU kernel and with the NumPy fast path.
 pytestmark = pytest.mark.usefixtures("cpu_path")
@@ -25,11 +25,12 @@ def _data(rng, shape, k, dtype):
 @pytest.mark.parametrize("shape,k", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("affine", [True, False])
-def test_matches_torch(rng, shape, k, dtype, affine):
+def test_matches_torch(rng, xp, shape, k, dtype, affine):
     x, w, dy = _data(rng, shape, k, dtype)
     w = w if affine else None
-    y, rstd = lnlib.rms_norm_forward(x, w, eps=1e-6, normalized_ndim=k)
-    dx, dw = lnlib.rms_norm_backward(dy, x, rstd, w)
+    y, rstd = lnlib.rms_norm_forward(*on(xp, x, w), eps=1e-6, normalized_ndim=k)
+    dx, dw = lnlib.rms_norm_backward(*on(xp, dy, x), rstd, on(xp, w))
+    y, rstd, dx, dw = map(host, (y, rstd, dx, dw))
     tx = torch_tensor(x, True)
     tw = torch_tensor(w, True) if affine else None
     ty = F.rms_norm(tx, x.shape[x.ndim - k:], tw, 1e-6)
@@ -47,26 +48,32 @@ def test_matches_torch(rng, shape, k, dtype, affine):
 
 @pytest.mark.parametrize("shape,k", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_reference(rng, shape, k, dtype):
+def test_matches_reference(rng, xp, shape, k, dtype):
     x, w, dy = _data(rng, shape, k, dtype)
-    y, rstd = lnlib.rms_norm_forward(x, w, normalized_ndim=k)
+    y, rstd = lnlib.rms_norm_forward(*on(xp, x, w), normalized_ndim=k)
     yr, rr = reference.rms_norm_forward(x, w, normalized_ndim=k)
-    assert_close(y, yr, dtype)
-    assert_close(rstd, rr, dtype)
-    for got, want in zip(lnlib.rms_norm_backward(dy, x, rr, w), reference.rms_norm_backward(dy, x, rr, w)):
+    assert isinstance(y, xp.ndarray) and y.dtype == yr.dtype
+    assert_close(host(y), yr, dtype)
+    assert_close(host(rstd), rr, dtype)
+    fast = lnlib.rms_norm_backward(*on(xp, dy, x, rr, w))
+    for got, want in zip(fast, reference.rms_norm_backward(dy, x, rr, w)):
         assert got.dtype == want.dtype
-        assert_close(got, want, dtype, factor=x.size)
+        assert_close(host(got), want, dtype, factor=x.size)
 
 
 @pytest.mark.parametrize("shape,k", [((3, 6), 1), ((2, 3, 4), 2)])
-def test_finite_differences(rng, shape, k):
+def test_finite_differences(rng, xp, shape, k):
     x, w, dy = _data(rng, shape, k, np.float64)
-    y, rstd = lnlib.rms_norm_forward(x, w, normalized_ndim=k)
-    dx, dw = lnlib.rms_norm_backward(dy, x, rstd, w)
-    lnlib.check_grad(lambda v: lnlib.rms_norm(v, w, normalized_ndim=k), x, dy, dx)
-    lnlib.check_grad(lambda v: lnlib.rms_norm(x, v, normalized_ndim=k), w, dy, dw, name="dweight")
-    dx1, dw1 = lnlib.rms_norm_backward(dy, x, rstd)
-    lnlib.check_grad(lambda v: lnlib.rms_norm(x, v, normalized_ndim=k), np.ones_like(w), dy, dw1)
+    y, rstd = lnlib.rms_norm_forward(*on(xp, x, w), normalized_ndim=k)
+    dx, dw = map(host, lnlib.rms_norm_backward(*on(xp, dy, x), rstd, on(xp, w)))
+
+    def f(x, w):
+        return host(lnlib.rms_norm(*on(xp, x, w), normalized_ndim=k))
+
+    lnlib.check_grad(lambda v: f(v, w), x, dy, dx)
+    lnlib.check_grad(lambda v: f(x, v), w, dy, dw, name="dweight")
+    dx1, dw1 = map(host, lnlib.rms_norm_backward(*on(xp, dy, x), rstd))
+    lnlib.check_grad(lambda v: f(x, v), np.ones_like(w), dy, dw1)
 
 
 def test_zero_row_is_zero_with_finite_gradients(rng):
