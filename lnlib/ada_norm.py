@@ -86,7 +86,7 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
 
     References
     ----------
-    W. Peebles and S. Xie, "Scalable Diffusion Models with Transformers", ICCV 2023.
+    .. [1] W. Peebles and S. Xie, "Scalable Diffusion Models with Transformers", ICCV 2023.
     """
     xp = get_array_module(x=x, shift=shift, scale=scale)
     x, shift, scale = _inputs(x, shift, scale, xp)

@@ -152,8 +152,8 @@ def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, 
 
     References
     ----------
-    S. Ioffe and C. Szegedy, "Batch Normalization: Accelerating Deep Network Training by
-    Reducing Internal Covariate Shift", ICML 2015.
+    .. [1] S. Ioffe and C. Szegedy, "Batch Normalization: Accelerating Deep Network Training by
+           Reducing Internal Covariate Shift", ICML 2015.
     """
     xp = get_array_module(x=x, running_mean=running_mean, running_var=running_var,
                           weight=weight, bias=bias)

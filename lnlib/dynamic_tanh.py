@@ -78,8 +78,8 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
 
     References
     ----------
-    J. Zhu, X. Chen, K. He, Y. LeCun and Z. Liu, "Transformers without Normalization",
-    CVPR 2025.
+    .. [1] J. Zhu, X. Chen, K. He, Y. LeCun and Z. Liu, "Transformers without Normalization",
+           CVPR 2025.
     """
     xp, x, a, weight, bias = _inputs(x, alpha, weight, bias)
     acc = accumulation_dtype(x.dtype)

@@ -125,7 +125,7 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
 
     References
     ----------
-    Y. Wu and K. He, "Group Normalization", ECCV 2018.
+    .. [1] Y. Wu and K. He, "Group Normalization", ECCV 2018.
     """
     xp = get_array_module(x=x, weight=weight, bias=bias)
     x = check.float_array(x, "x", xp)

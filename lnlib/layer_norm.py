@@ -76,7 +76,7 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
 
     References
     ----------
-    J. L. Ba, J. R. Kiros and G. E. Hinton, "Layer Normalization", arXiv:1607.06450, 2016.
+    .. [1] J. L. Ba, J. R. Kiros and G. E. Hinton, "Layer Normalization", arXiv:1607.06450, 2016.
     """
     xp = get_array_module(x=x, weight=weight, bias=bias)
     x = check.float_array(x, "x", xp)
@@ -156,19 +156,3 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0):
     return (dx.reshape(x.shape), dweight.reshape(norm).astype(pdtype, copy=False),
             dbias.reshape(norm).astype(pdtype, copy=False))
 
-
-# Transitional names for lnlib/bench.py and the chapter 5 notebook, until they select through
-# lnlib.use_implementation; nothing in lnlib uses them.
-_TRANSITIONAL = {"_forward_numpy": ("numpy_rows", "layer_norm_forward_rows"),
-                 "_backward_numpy": ("numpy_rows", "layer_norm_backward_rows"),
-                 "_forward_kernel": ("kernels", "layer_norm_forward_rows"),
-                 "_backward_kernel": ("kernels", "layer_norm_backward_rows")}
-
-
-def __getattr__(name):
-    if name not in _TRANSITIONAL:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    module, attr = _TRANSITIONAL[name]
-    return getattr(importlib.import_module(f"lnlib._cpu.{module}"), attr)

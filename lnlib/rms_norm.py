@@ -61,7 +61,7 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
 
     References
     ----------
-    B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019.
+    .. [1] B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019.
     """
     xp = get_array_module(x=x, weight=weight)
     x = check.float_array(x, "x", xp)
