@@ -119,8 +119,10 @@ def builds():
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "norms_cuda_all.cu").write_text(instantiation_source())
         with ThreadPoolExecutor(len(ARCHS)) as pool:
-            results = list(pool.map(lambda a: _compile(a, folder), ARCHS))
-    return dict(zip(ARCHS, results))
+            results = dict(zip(ARCHS, pool.map(lambda a: _compile(a, folder), ARCHS)))
+    if os.environ.get("LNLIB_CUDA_REPORT") == "1":  # make gpu-check logs the table (with -s)
+        print("\n" + "\n".join(resource_table(results)))
+    return results
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -173,6 +175,37 @@ def test_launch_shapes_stated_in_the_book():
     assert max(r for r, _ in kernels.shapes(bwd, "float32")) == 512
     assert max(4 * v for _, v in kernels.shapes(fwd, "float32")) == 16
     assert 16 // kernels.ITEMSIZE["float32"] == 4 and 16 // kernels.ITEMSIZE["float16"] == 8
+
+
+def _nvrtc_missing():
+    """Why CuPy's NVRTC path cannot be exercised here, or None if it can."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as exc:
+        return f"CuPy is not installed ({exc})"
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001 - no libnvrtc: CuPy cannot compile here
+        return f"CuPy cannot load NVRTC ({exc})"
+    return None
+
+
+@pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
+def test_cupy_nvrtc_compiles_every_module_by_name():
+    """The run-time path itself, without a GPU: CuPy's option assembly and NVRTC, with the name
+    expressions of every (operation, dtype) module, for sm_90; every name resolves."""
+    from cupy._core import core
+    from cupy.cuda import compiler
+
+    options = (core.assemble_cupy_compiler_options(kernels.OPTIONS) + CUPY_ADDED
+               + ("-arch=sm_90", "--device-as-default-execution-space"))
+    for op in kernels.OPS:
+        for dtype in kernels.TYPE_NAMES:
+            names = kernels.name_expressions(op, dtype)
+            program = compiler._NVRTCProgram(kernels.source(), "norms_cuda.cu",
+                                             name_expressions=names, method="cubin")
+            cubin, mapping = program.compile(options)
+            assert cubin and set(mapping) == set(names), f"{op} {dtype}: names not resolved"
 
 
 def resource_table(builds_by_arch):

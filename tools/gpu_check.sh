@@ -49,8 +49,7 @@ print("cupy sees", cupy.cuda.runtime.getDeviceCount(), "GPU(s)")
 PY
 
 step "compile test (nvcc sm_80/sm_90, no spills)" compile.log \
-    $PY -m pytest tests/test_cuda_compile.py -q -p no:cacheprovider
-$PY tests/test_cuda_compile.py >> "$OUT/compile.log" 2>&1  # the per-kernel register table
+    env LNLIB_CUDA_REPORT=1 $PY -m pytest tests/test_cuda_compile.py -q -s -p no:cacheprovider
 step "GPU tests (LNLIB_REQUIRE_GPU=1)" test_gpu.log \
     env LNLIB_REQUIRE_GPU=1 $PY -m pytest tests/test_gpu.py -q -rs -p no:cacheprovider
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

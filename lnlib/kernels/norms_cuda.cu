@@ -78,7 +78,7 @@ __device__ __forceinline__ void norm_fwd(const T* x, long long ldx, T* y, long l
                                          const A* weight, const A* bias, A* mean_out,
                                          A* rstd_out, long long m, int d, A eps, int vec_ok) {
     const int V = Vec<T>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
-    const int tiles = (int)(((d + V - 1) / V + R * MAXV - 1) / (R * MAXV));
+    const int tiles = lnlib::tile_count<R, MAXV, V>(d);
     A v[MAXV][V];
     int cnt[MAXV];
     for (long long first = (long long)blockIdx.x * ROWS; first < m;
@@ -102,7 +102,8 @@ __device__ __forceinline__ void norm_fwd(const T* x, long long ldx, T* y, long l
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
                     const long long i = j < cnt[s] ? c * V + j : 0;
-                    const A w = weight ? weight[i] : A(1), b = bias ? bias[i] : A(0);
+                    const A w = weight ? __ldg(weight + i) : A(1);
+                    const A b = bias ? __ldg(bias + i) : A(0);
                     out[j] = (v[s][j] - mu) * rstd * w + b;
                 }
                 if (cnt[s]) lnlib::store_chunk(y + row * ldy, c, cnt[s], vec_ok, out);
@@ -142,7 +143,7 @@ __device__ __forceinline__ void norm_bwd(const T* dy, long long lddy, const T* x
                                          long long lddx, A* dw_part, A* db_part, long long m,
                                          int d, int vec_ok) {
     const int V = Vec<T>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
-    const int tiles = (int)(((d + V - 1) / V + R * MAXV - 1) / (R * MAXV));
+    const int tiles = lnlib::tile_count<R, MAXV, V>(d);
     __shared__ A shs[2 * (LNLIB_BLOCK(R) / 32)];
     const long long u = (long long)blockIdx.x * ROWS + threadIdx.x / R;
     A xh[MAXV][V], dyv[MAXV][V], pw[MAXV][V], pb[MAXV][V];

@@ -40,6 +40,14 @@ template <> struct Out<__nv_bfloat16> {
 // Elements of T in one 16-byte vector.
 template <typename T> struct Vec { static const int n = 16 / sizeof(T); };
 
+// Tiles of R * MAXV chunks of V elements that cover a row of d elements (no overflow for any
+// int d; 32-bit division by constants, where 64-bit division would call a subroutine).
+template <int R, int MAXV, int V>
+__device__ __forceinline__ int tile_count(int d) {
+    const int chunks = d / V + (d % V != 0);
+    return chunks / (R * MAXV) + (chunks % (R * MAXV) != 0);
+}
+
 // Read chunk c of a row (V elements from element c * V) into a[], in the accumulation type.
 // Elements past the end of the row read as zero; returns how many were inside the row.
 template <typename T, typename A>
