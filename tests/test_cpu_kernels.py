@@ -178,3 +178,83 @@ def test_passes_cover_every_kernel_in_the_header():
     header = (KERNEL_DIR / "norms.h").read_text()
     declared = set(re.findall(r"void (\w+)_f32\(", header))
     assert declared == set(kernels.PASSES)
+
+
+# --- Every vector width gives the same bits -------------------------------------------------
+
+_WIDTHS = {"baseline": [], "avx2": ["-mavx2"], "avx512f": ["-mavx512f"]}
+
+
+def _cpu_flags():
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
+def _build_variant(tmp_path, name, flags):
+    """The kernel compiled as one version (no multi-versioning) with ``flags``, via cffi ABI."""
+    import importlib.util
+    import subprocess
+    import sysconfig
+
+    import cffi
+
+    spec = importlib.util.spec_from_file_location("build_norms", KERNEL_DIR / "build_norms.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not shutil.which(cc):
+        pytest.skip(f"no C compiler ({cc}) to build the {name} variant")
+    out = tmp_path / f"norms_{name}.so"
+    subprocess.run([cc, *builder.FLAGS, *flags, "-DNORMS_NO_CLONES", "-shared", "-fPIC", "-o",
+                    str(out), str(KERNEL_DIR / "norms_cpu.c"), "-lm"], check=True)
+    ffi = cffi.FFI()
+    ffi.cdef(builder.declarations())
+    return ffi, ffi.dlopen(str(out))
+
+
+def _run_variant(ffi, lib, x, w, b, dy):
+    """Every kernel of ``lib`` on the same inputs; returns all outputs."""
+    ctype, suffix = ("float", "f32") if x.dtype == np.float32 else ("double", "f64")
+    m, n = x.shape
+    blocks = -(-m // lib.NORMS_BLOCK_ROWS)
+    out = {k: np.zeros(s, x.dtype) for k, s in
+           (("y", (m, n)), ("mean", m), ("rstd", m), ("dx", (m, n)), ("ry", (m, n)),
+            ("rrstd", m), ("rdx", (m, n)))}
+    out.update({k: np.zeros((blocks, n)) for k in ("dw", "db", "rdw")})
+    p = {k: ffi.from_buffer(("double" if k in ("dw", "db", "rdw") else ctype) + "[]", v)
+         for k, v in out.items()}
+    px, pw, pb, pdy = (ffi.from_buffer(ctype + "[]", a) for a in (x, w, b, dy))
+    getattr(lib, f"layer_norm_forward_{suffix}")(px, n, pw, pb, p["y"], p["mean"], p["rstd"],
+                                                m, n, 1e-5)
+    getattr(lib, f"layer_norm_backward_{suffix}")(pdy, n, px, n, p["mean"], p["rstd"], pw,
+                                                 p["dx"], p["dw"], p["db"], m, n)
+    getattr(lib, f"rms_norm_forward_{suffix}")(px, n, pw, p["ry"], p["rrstd"], m, n, 1e-5)
+    getattr(lib, f"rms_norm_backward_{suffix}")(pdy, n, px, n, p["rrstd"], pw, p["rdx"],
+                                               p["rdw"], m, n)
+    return out
+
+
+def test_every_vector_width_gives_the_same_bits(kernel, tmp_path):
+    """The baseline build, the AVX2 and AVX-512 builds (where this CPU runs them) and the
+    installed multi-version module agree bit for bit."""
+    flags = _cpu_flags()
+    widths = {k: v for k, v in _WIDTHS.items() if k == "baseline" or k in flags}
+    if len(widths) < 2:
+        pytest.skip(f"this CPU runs only the baseline build (flags: {sorted(flags)[:5]}...)")
+    variants = {k: _build_variant(tmp_path, k, v) for k, v in widths.items()}
+    variants["installed"] = (kernel._state["module"].ffi, kernel._state["module"].lib)
+    rng = np.random.default_rng(3)
+    for dtype in (np.float32, np.float64):
+        for n in (1, 15, 16, 17, 100, 255, 256, 257, 1000, 4099):
+            m = 300 if n < 300 else 3
+            x = (rng.standard_normal((m, n)) * 3 + 7).astype(dtype)
+            w, b = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+            dy = rng.standard_normal((m, n)).astype(dtype)
+            results = {k: _run_variant(*v, x, w, b, dy) for k, v in variants.items()}
+            for name, got in results.items():
+                for key, value in got.items():
+                    np.testing.assert_array_equal(value, results["baseline"][key],
+                                                  err_msg=f"{name} {key} {dtype} n={n}")

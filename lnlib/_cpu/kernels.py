@@ -40,8 +40,9 @@ __all__ = ["PASSES", "available", "info", "layer_norm_backward_rows", "layer_nor
 PASSES = {
     "layer_norm_forward": (
         {"reads": ("x",), "writes": (), "computes": "mean0 = sum(x) / D"},
-        {"reads": ("x",), "writes": (), "computes": "mean = mean0 + sum(x - mean0) / D"},
-        {"reads": ("x",), "writes": (), "computes": "rstd = 1 / sqrt(sum((x - mean)^2) / D + eps)"},
+        {"reads": ("x",), "writes": (),
+         "computes": "delta = sum(x - mean0) / D, mean = mean0 + delta, "
+                     "rstd = 1 / sqrt(sum((x - mean0)^2) / D - delta^2 + eps)"},
         {"reads": ("x", "weight", "bias"), "writes": ("y",),
          "computes": "y = (x - mean) rstd weight + bias"},
     ),

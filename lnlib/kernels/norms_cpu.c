@@ -9,8 +9,9 @@
  * find it there. LayerNorm is memory-bound, so the time is set by the bytes moved.
  *
  * Guarantees, matched by the tests:
- *  - two-pass statistics: the mean, corrected by the mean of the deviations from it (Chan,
- *    Golub and LeVeque, 1983), then the squared deviations from the corrected mean;
+ *  - two-pass statistics: a first mean mu0, then in a second pass the sums of the deviations
+ *    d = x - mu0 and of d^2, which give the correction of the mean (Chan, Golub and LeVeque,
+ *    1983) and the variance about it, never E[x^2] - E[x]^2;
  *  - every sum over a row runs in blocks of BLOCK elements, each summed in LANES partial
  *    sums in T; the block totals are added pairwise in float64, so the rounding error does
  *    not grow with the row length. The order depends on the row length only (never on the
@@ -18,8 +19,10 @@
  *    thread invariant;
  *  - the column sums of dweight and dbias are accumulated in float64 per block of
  *    NORMS_BLOCK_ROWS rows, and the blocks added pairwise (sum_blocks_pairwise);
- *  - compiled with -ffp-contract=off, so no multiply-add is fused behind our back, and
- *    without -march: the same results on every x86-64 (or other) CPU.
+ *  - compiled with -ffp-contract=off, so no multiply-add is fused behind our back. On
+ *    x86-64 each exported kernel is also compiled for AVX2 and AVX-512 (NORMS_KERNEL) and the
+ *    loader picks the widest the CPU has; the lanes and their order are written out in the
+ *    C, so every width gives the same bits (tests/test_cpu_kernels.py compares them).
  *
  * Book: chapter "Implementation", section "A compiled kernel".
  */
@@ -29,6 +32,14 @@
 #include "norms.h"
 
 enum { LANES = 16, BLOCK = 256 };
+
+/* Function multi-versioning (GCC or Clang on x86-64 Linux); flatten inlines the helpers so
+ * that they are compiled for each width too. -DNORMS_NO_CLONES builds one version only. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(NORMS_NO_CLONES)
+#define NORMS_KERNEL __attribute__((target_clones("avx512f", "avx2", "default"), flatten))
+#else
+#define NORMS_KERNEL
+#endif
 
 static ptrdiff_t block_len(ptrdiff_t start, ptrdiff_t n)
 {
