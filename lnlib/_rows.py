@@ -174,7 +174,8 @@ def contiguous_rows(a):
     """
     rows, cols = a.shape
     row_ok = a.strides[1] == a.itemsize or cols == 1
-    return row_ok and (rows == 1 or (a.strides[0] >= cols * a.itemsize and a.strides[0] % a.itemsize == 0))
+    stride = a.strides[0]
+    return row_ok and (rows == 1 or (stride >= cols * a.itemsize and stride % a.itemsize == 0))
 
 
 def load_block(src, scratch, dtype):

@@ -24,7 +24,8 @@ def float_array(a, name, xp):
         try:
             a = xp.asarray(a)
         except Exception as exc:  # noqa: BLE001 - any failure means "not an array"
-            raise TypeError(f"{name} must be a floating-point array, got {type(a).__name__}") from exc
+            raise TypeError(f"{name} must be a floating-point array, "
+                            f"got {type(a).__name__}") from exc
     if a.dtype not in _FLOATS:
         raise TypeError(
             f"{name} must have a floating dtype (float16, float32 or float64), got {a.dtype}"
@@ -38,7 +39,8 @@ def optional_param(a, name, shape, xp):
         return None
     a = float_array(a, name, xp)
     if a.shape != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} (the normalized axes of x), got {a.shape}")
+        raise ValueError(f"{name} must have shape {tuple(shape)} (the normalized axes of x), "
+                         f"got {a.shape}")
     return a
 
 
@@ -90,7 +92,8 @@ def normalized_axes(shape, k):
     """Shape of the last ``k`` axes; raises ``ValueError`` if one of them is empty."""
     tail = tuple(shape[len(shape) - k :])
     if 0 in tail:
-        raise ValueError(f"x has an empty normalized axis: the last {k} axes of x have shape {tail}")
+        raise ValueError(f"x has an empty normalized axis: the last {k} axes of x have "
+                         f"shape {tail}")
     return tail
 
 

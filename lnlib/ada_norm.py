@@ -249,7 +249,8 @@ def adaln_modulation_backward(doutputs, c, weight):
                          f"(e.g. [dshift, dscale, dgate]), got {doutputs!r}")
     chunks = len(doutputs)
     d = weight.shape[-1] // chunks if weight.ndim == 2 else 0
-    c, weight, _ = _modulation_inputs(c, weight, xp.zeros(weight.shape[-1:], weight.dtype), chunks, xp)
+    no_bias = xp.zeros(weight.shape[-1:], weight.dtype)
+    c, weight, _ = _modulation_inputs(c, weight, no_bias, chunks, xp)
     parts = []
     for i, g in enumerate(doutputs):
         if g is None:
@@ -267,7 +268,8 @@ def adaln_modulation_backward(doutputs, c, weight):
 
 
 def adaln_zero_init(cond_dim, dim, *, chunks=3, dtype=np.float32):
-    """The adaLN-Zero initialisation: ``weight`` of zeros ``(cond_dim, chunks * dim)`` and ``bias`` of zeros."""
+    """The adaLN-Zero initialisation: ``weight`` of zeros ``(cond_dim, chunks * dim)`` and
+    ``bias`` of zeros ``(chunks * dim,)``."""
     return np.zeros((cond_dim, chunks * dim), dtype=dtype), np.zeros(chunks * dim, dtype=dtype)
 
 
@@ -281,7 +283,8 @@ def _modulation_inputs(c, weight, bias, chunks, xp):
         raise ValueError(f"c must be 2-d (batch, cond_dim), got shape {c.shape}")
     if weight.ndim != 2 or weight.shape[0] != c.shape[1] or weight.shape[1] % chunks:
         raise ValueError(
-            f"weight must have shape (cond_dim={c.shape[1]}, chunks*D) with chunks={chunks}, got {weight.shape}"
+            f"weight must have shape (cond_dim={c.shape[1]}, chunks*D) with chunks={chunks}, "
+            f"got {weight.shape}"
         )
     if bias.shape != (weight.shape[1],):
         raise ValueError(f"bias must have shape ({weight.shape[1]},), got {bias.shape}")

@@ -43,7 +43,8 @@ def _running(a, name, channels, xp):
         raise TypeError(f"{name} must be an array (it is updated in place), got {type(a).__name__}")
     a = check.float_array(a, name, xp)
     if a.shape != (channels,):
-        raise ValueError(f"{name} must have shape ({channels},) (one value per channel), got {a.shape}")
+        raise ValueError(f"{name} must have shape ({channels},) (one value per channel), "
+                         f"got {a.shape}")
     return a
 
 

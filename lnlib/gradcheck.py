@@ -61,13 +61,15 @@ def check_grad(f, x, dy, analytic, *, h=1e-6, rtol=1e-6, atol=1e-9, name="dx"):
     numeric = numerical_grad(f, x, dy, h=h)
     analytic = np.asarray(analytic, dtype=np.float64)
     if analytic.shape != numeric.shape:
-        raise AssertionError(f"{name}: analytic gradient has shape {analytic.shape}, expected {numeric.shape}")
+        raise AssertionError(f"{name}: analytic gradient has shape {analytic.shape}, "
+                             f"expected {numeric.shape}")
     err = np.abs(analytic - numeric)
     tol = atol + rtol * np.max(np.abs(numeric), initial=0.0)
     worst = np.unravel_index(np.argmax(err), err.shape) if err.size else ()
     if err.size and not err[worst] <= tol:
         raise AssertionError(
-            f"{name}: analytic and finite-difference gradients differ at index {tuple(map(int, worst))}: "
-            f"analytic {analytic[worst]!r}, numeric {numeric[worst]!r} (|diff| {err[worst]:.3g} > tol {tol:.3g})"
+            f"{name}: analytic and finite-difference gradients differ at index "
+            f"{tuple(map(int, worst))}: analytic {analytic[worst]!r}, numeric "
+            f"{numeric[worst]!r} (|diff| {err[worst]:.3g} > tol {tol:.3g})"
         )
     return float(err.max(initial=0.0))

@@ -223,8 +223,9 @@ class BatchNorm(_Saved):
         return self.train(False)
 
     def forward(self, x):
-        y, mean, rstd = batch_norm_forward(x, self.running_mean, self.running_var, self.weight, self.bias,
-                                           training=self.training, momentum=self.momentum, eps=self.eps)
+        y, mean, rstd = batch_norm_forward(x, self.running_mean, self.running_var, self.weight,
+                                           self.bias, training=self.training,
+                                           momentum=self.momentum, eps=self.eps)
         self._saved = (x, mean, rstd, self.training)
         return y
 

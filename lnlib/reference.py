@@ -135,7 +135,8 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
 
 
 def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
-    """AdaLN backward: dshift = sum dy, dscale = sum dy * xhat, dx = LN backward of dy * (1 + scale)."""
+    """AdaLN backward: dshift = sum dy, dscale = sum dy * xhat, dx = LN backward of
+    dy * (1 + scale)."""
     k = x.ndim - mean.ndim
     acc = mean.dtype
     xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)  # (N, D)
