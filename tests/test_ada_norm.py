@@ -1,8 +1,8 @@
-"""AdaLN and its conditioning layer: against a torch composite, the reference and finite differences."""
+"""AdaLN and its conditioning layer: against a torch composite, the reference and finite
+differences."""
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 
 import lnlib
@@ -49,7 +49,9 @@ def test_matches_reference_and_finite_differences(rng, xp, xshape, mshape):
     for g, w in zip(fast, reference.ada_layer_norm_forward(x, shift, scale)):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
     dx, dshift, dscale = map(host, lnlib.ada_layer_norm_backward(*on(xp, dy, x, *fast[1:], scale)))
-    for g, w in zip((dx, dshift, dscale), reference.ada_layer_norm_backward(dy, x, *fast[1:], scale)):
+    for g, w in zip(
+        (dx, dshift, dscale), reference.ada_layer_norm_backward(dy, x, *fast[1:], scale)
+    ):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
 
     def f(x, shift, scale):
@@ -71,7 +73,9 @@ def test_shift_shape_differs_from_scale(rng):
 def test_zero_modulation_is_plain_layer_norm(rng):
     x = rng.standard_normal((4, 9, 16)).astype(np.float32)
     zero = np.zeros((4, 1, 16), np.float32)
-    np.testing.assert_allclose(lnlib.ada_layer_norm(x, zero, zero), lnlib.layer_norm(x, eps=1e-6), atol=1e-6)
+    np.testing.assert_allclose(
+        lnlib.ada_layer_norm(x, zero, zero), lnlib.layer_norm(x, eps=1e-6), atol=1e-6
+    )
 
 
 def test_modulation_layer_matches_torch_and_finite_differences(rng):
@@ -82,14 +86,18 @@ def test_modulation_layer_matches_torch_and_finite_differences(rng):
     assert shift.shape == scale.shape == gate.shape == (5, 4)
     tc, tw, tb = (torch_tensor(a, True) for a in (c, weight, bias))
     out = F.silu(tc) @ tw + tb
-    np.testing.assert_allclose(np.concatenate([shift, scale, gate], 1), out.detach().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(
+        np.concatenate([shift, scale, gate], 1), out.detach().numpy(), rtol=1e-12
+    )
     douts = [rng.standard_normal((5, 4)) for _ in range(3)]
     out.backward(torch_tensor(np.concatenate(douts, 1)))
     dc, dw, db = lnlib.adaln_modulation_backward(douts, c, weight)
     for got, want in zip((dc, dw, db), (tc.grad, tw.grad, tb.grad)):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-10, atol=1e-12)
     dy_all = np.concatenate(douts, 1)
-    lnlib.check_grad(lambda v: np.concatenate(lnlib.adaln_modulation(v, weight, bias), 1), c, dy_all, dc)
+    lnlib.check_grad(
+        lambda v: np.concatenate(lnlib.adaln_modulation(v, weight, bias), 1), c, dy_all, dc
+    )
     # A missing output gradient counts as zero.
     dc2 = lnlib.adaln_modulation_backward([douts[0], None, douts[2]], c, weight)[0]
     dc3 = lnlib.adaln_modulation_backward([douts[0], np.zeros((5, 4)), douts[2]], c, weight)[0]
@@ -99,7 +107,9 @@ def test_modulation_layer_matches_torch_and_finite_differences(rng):
 def test_adaln_zero_starts_as_identity_modulation(rng):
     weight, bias = lnlib.adaln_zero_init(7, 4)
     assert weight.shape == (7, 12) and bias.shape == (12,) and not weight.any() and not bias.any()
-    shift, scale, gate = lnlib.adaln_modulation(rng.standard_normal((3, 7)).astype(np.float32), weight, bias)
+    shift, scale, gate = lnlib.adaln_modulation(
+        rng.standard_normal((3, 7)).astype(np.float32), weight, bias
+    )
     assert not shift.any() and not scale.any() and not gate.any()
     # ... yet the weight receives a gradient, so training can move it away from zero.
     c = rng.standard_normal((3, 7)).astype(np.float32)

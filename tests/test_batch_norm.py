@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 
 import lnlib
@@ -27,9 +26,14 @@ def _data(rng, shape, dtype):
 def test_matches_torch(rng, shape, dtype, training):
     x, w, b, dy = _data(rng, shape, dtype)
     c = shape[1]
-    rm, rv = (0.1 * rng.standard_normal(c)).astype(np.float32), (1 + rng.random(c)).astype(np.float32)
+    rm, rv = (
+        (0.1 * rng.standard_normal(c)).astype(np.float32),
+        (1 + rng.random(c)).astype(np.float32),
+    )
     rm_t, rv_t = torch_tensor(rm).double(), torch_tensor(rv).double()  # torch updates these
-    y, mean, rstd = lnlib.batch_norm_forward(x, rm, rv, w, b, training=training, momentum=0.2, eps=1e-5)
+    y, mean, rstd = lnlib.batch_norm_forward(
+        x, rm, rv, w, b, training=training, momentum=0.2, eps=1e-5
+    )
     dx, dw, db = lnlib.batch_norm_backward(dy, x, mean, rstd, w, training=training)
     t64 = [torch_tensor(a.astype(np.float64), True) for a in (x, w, b)]
     ty = F.batch_norm(t64[0], rm_t, rv_t, t64[1], t64[2], training, 0.2, 1e-5)
@@ -56,13 +60,17 @@ def test_reference_and_finite_differences(rng, shape, training):
     for g, v in zip((y, mean, rstd, *stats), (yr, mr, rr, *ref_stats)):
         np.testing.assert_allclose(g, v, rtol=1e-12, atol=1e-12)
     dx, dw, db = lnlib.batch_norm_backward(dy, x, mean, rstd, w, training=training)
-    for g, v in zip((dx, dw, db), reference.batch_norm_backward(dy, x, mean, rstd, w, training=training)):
+    for g, v in zip(
+        (dx, dw, db), reference.batch_norm_backward(dy, x, mean, rstd, w, training=training)
+    ):
         np.testing.assert_allclose(g, v, rtol=1e-12, atol=1e-12)
 
     def f(v, which):
         args = [x, w, b]
         args[which] = v
-        return lnlib.batch_norm(args[0], np.zeros(c), np.ones(c), args[1], args[2], training=training)
+        return lnlib.batch_norm(
+            args[0], np.zeros(c), np.ones(c), args[1], args[2], training=training
+        )
 
     lnlib.check_grad(lambda v: f(v, 0), x, dy, dx)
     lnlib.check_grad(lambda v: f(v, 1), w, dy, dw, name="dweight")

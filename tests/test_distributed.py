@@ -79,8 +79,9 @@ def test_sharded_equals_single_process(world_size, H, tmp_path):
     y, mean, rstd = reference.layer_norm_forward(x, weight, bias, eps=1e-5)
     dx, dweight, dbias = reference.layer_norm_backward(dy, x, mean, rstd, weight)
 
-    got = {k: np.concatenate([r[k] for r in results], axis=-1)
-           for k in ("y", "dx", "dweight", "dbias")}
+    got = {
+        k: np.concatenate([r[k] for r in results], axis=-1) for k in ("y", "dx", "dweight", "dbias")
+    }
     np.testing.assert_allclose(got["y"], y, rtol=0, atol=1e-12)
     np.testing.assert_allclose(got["dx"], dx, rtol=0, atol=1e-12)
     np.testing.assert_allclose(got["dweight"], dweight, rtol=0, atol=1e-12)
@@ -106,5 +107,4 @@ def test_mismatched_ranks_raise_clear_errors_on_every_rank(tmp_path):
     for rank, errors in enumerate(results):
         for call in ("forward", "backward"):
             assert "different numbers of rows (rank 0: 4, rank 1: 5)" in errors[f"rows-{call}"]
-            assert "different dtypes (rank 0: float64, rank 1: float32)" in \
-                errors[f"dtype-{call}"]
+            assert "different dtypes (rank 0: float64, rank 1: float32)" in errors[f"dtype-{call}"]

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 
 import lnlib
@@ -12,12 +11,19 @@ from conftest import assert_close, host, on, torch_tensor
 # Every test here runs with the compiled CPU kernel and with the NumPy fast path.
 pytestmark = pytest.mark.usefixtures("cpu_path")
 
-SHAPES = [((7, 16), 1), ((3, 5, 8), 1), ((4, 6, 5), 2), ((2, 3, 4, 5), 3), ((9,), 1), ((2, 3, 1), 1)]
+SHAPES = [
+    ((7, 16), 1),
+    ((3, 5, 8), 1),
+    ((4, 6, 5), 2),
+    ((2, 3, 4, 5), 3),
+    ((9,), 1),
+    ((2, 3, 1), 1),
+]
 DTYPES = [np.float64, np.float32, np.float16]
 
 
 def _data(rng, shape, k, dtype, affine=True):
-    norm = shape[len(shape) - k:]
+    norm = shape[len(shape) - k :]
     x = (rng.standard_normal(shape) * 3 + 1).astype(dtype)
     w = (1 + 0.5 * rng.standard_normal(norm)).astype(dtype) if affine else None
     b = rng.standard_normal(norm).astype(dtype) if affine else None
@@ -30,7 +36,7 @@ def _torch_layer_norm(x, w, b, dy, k, eps):
     tx = torch_tensor(x, True)
     tw = torch_tensor(w, True) if w is not None else None
     tb = torch_tensor(b, True) if b is not None else None
-    ty = F.layer_norm(tx, x.shape[x.ndim - k:], tw, tb, eps)
+    ty = F.layer_norm(tx, x.shape[x.ndim - k :], tw, tb, eps)
     ty.backward(torch_tensor(dy))
     grads = [t.grad.numpy() if t is not None else None for t in (tx, tw, tb)]
     return ty.detach().numpy(), grads
@@ -121,10 +127,16 @@ def test_seed_worked_example():
     np.testing.assert_allclose(var, [5.25, 6.6875, 8.1875], rtol=1e-12)
     assert not np.isclose(var[1], 8.3125) and not np.isclose(var[2], 3.6875)
     xhat = lnlib.layer_norm(x, eps=1e-5)
-    seed_xhat = [[-0.6547, 0.2182, -1.0911, 1.5275], [-1.2568, -0.4834, 0.2900, 1.4501],
-                 [-0.7863, -1.1358, 0.6116, 1.3106]]
-    seed_y = [[-0.4820, 0.8273, -1.1366, 2.7913], [-1.3851, -0.2250, 0.9350, 2.6751],
-              [-0.6795, -1.2037, 1.4174, 2.4658]]
+    seed_xhat = [
+        [-0.6547, 0.2182, -1.0911, 1.5275],
+        [-1.2568, -0.4834, 0.2900, 1.4501],
+        [-0.7863, -1.1358, 0.6116, 1.3106],
+    ]
+    seed_y = [
+        [-0.4820, 0.8273, -1.1366, 2.7913],
+        [-1.3851, -0.2250, 0.9350, 2.6751],
+        [-0.6795, -1.2037, 1.4174, 2.4658],
+    ]
     np.testing.assert_allclose(xhat, seed_xhat, atol=1e-4)
     np.testing.assert_allclose(y, seed_y, atol=1.5e-4)
 
@@ -184,7 +196,9 @@ def test_non_finite_value_stays_in_its_row(rng, bad):
         np.testing.assert_array_equal(got[others], want[others])
     dy = rng.standard_normal(x.shape).astype(np.float32)
     dx = lnlib.layer_norm_backward(dy, x_bad, mean, rstd)[0]
-    np.testing.assert_array_equal(dx[others], lnlib.layer_norm_backward(dy, x, *clean[1:])[0][others])
+    np.testing.assert_array_equal(
+        dx[others], lnlib.layer_norm_backward(dy, x, *clean[1:])[0][others]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -200,10 +214,17 @@ def test_inputs_are_not_modified(rng, dtype):
     np.testing.assert_array_equal(rstd, stats[1])
 
 
-@pytest.mark.parametrize("view", [
-    lambda a: a[:, ::-1], lambda a: a[::-1], lambda a: a[::2, 1::3], lambda a: a.T.copy().T,
-    lambda a: np.asfortranarray(a), lambda a: a[:, :50],
-])
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda a: a[:, ::-1],
+        lambda a: a[::-1],
+        lambda a: a[::2, 1::3],
+        lambda a: a.T.copy().T,
+        lambda a: np.asfortranarray(a),
+        lambda a: a[:, :50],
+    ],
+)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_strided_inputs_give_the_contiguous_result_bitwise(rng, view, dtype):
     base = rng.standard_normal((400, 120)).astype(dtype)
@@ -214,8 +235,10 @@ def test_strided_inputs_give_the_contiguous_result_bitwise(rng, view, dtype):
     got, want = lnlib.layer_norm_forward(x, w), lnlib.layer_norm_forward(xc, w)
     for g, v in zip(got, want):
         np.testing.assert_array_equal(g, v)
-    for g, v in zip(lnlib.layer_norm_backward(dy, x, *got[1:], w),
-                    lnlib.layer_norm_backward(np.ascontiguousarray(dy), xc, *want[1:], w)):
+    for g, v in zip(
+        lnlib.layer_norm_backward(dy, x, *got[1:], w),
+        lnlib.layer_norm_backward(np.ascontiguousarray(dy), xc, *want[1:], w),
+    ):
         np.testing.assert_array_equal(g, v)
 
 
@@ -239,11 +262,15 @@ def test_batch_invariance_is_bitwise(rng, dtype):
     perm = rng.permutation(517)
     yp, meanp, rstdp = lnlib.layer_norm_forward(x[perm], w, b)
     np.testing.assert_array_equal(yp, y[perm])
-    np.testing.assert_array_equal(lnlib.layer_norm_backward(dy[perm], x[perm], meanp, rstdp, w)[0], dx[perm])
+    np.testing.assert_array_equal(
+        lnlib.layer_norm_backward(dy[perm], x[perm], meanp, rstdp, w)[0], dx[perm]
+    )
     for i in (0, 1, 255, 516):
-        y1, m1, r1 = lnlib.layer_norm_forward(x[i:i + 1], w, b)
+        y1, m1, r1 = lnlib.layer_norm_forward(x[i : i + 1], w, b)
         np.testing.assert_array_equal(y1[0], y[i])
-        np.testing.assert_array_equal(lnlib.layer_norm_backward(dy[i:i + 1], x[i:i + 1], m1, r1, w)[0][0], dx[i])
+        np.testing.assert_array_equal(
+            lnlib.layer_norm_backward(dy[i : i + 1], x[i : i + 1], m1, r1, w)[0][0], dx[i]
+        )
     sub = lnlib.layer_norm_forward(x[100:117], w, b)[0]
     np.testing.assert_array_equal(sub, y[100:117])
 
@@ -270,8 +297,10 @@ def test_empty_batch_is_fine():
 
 def test_layer_norm_is_forward_output(rng):
     x, w, b, _ = _data(rng, (3, 4, 5), 2, np.float32)
-    np.testing.assert_array_equal(lnlib.layer_norm(x, w, b, normalized_ndim=2),
-                                  lnlib.layer_norm_forward(x, w, b, normalized_ndim=2)[0])
+    np.testing.assert_array_equal(
+        lnlib.layer_norm(x, w, b, normalized_ndim=2),
+        lnlib.layer_norm_forward(x, w, b, normalized_ndim=2)[0],
+    )
 
 
 def test_thread_and_block_settings_do_not_change_forward_bits(rng):
@@ -280,7 +309,9 @@ def test_thread_and_block_settings_do_not_change_forward_bits(rng):
     x = rng.standard_normal((1000, 384)).astype(np.float32)
     base = _forward_numpy(x, None, None, 1e-5, block_rows=1, threads=1)
     for rows, threads in ((7, 2), (64, 2), (1000, 1), (3, 5)):
-        for a, b in zip(_forward_numpy(x, None, None, 1e-5, block_rows=rows, threads=threads), base):
+        for a, b in zip(
+            _forward_numpy(x, None, None, 1e-5, block_rows=rows, threads=threads), base
+        ):
             np.testing.assert_array_equal(a, b)
 
 
@@ -295,10 +326,12 @@ def test_batch_invariance_for_long_and_odd_rows(rng, n):
     dy = rng.standard_normal(x.shape).astype(np.float32)
     dx = lnlib.layer_norm_backward(dy, x, mean, rstd, w)[0]
     for i in (0, m // 2 + 1, m - 1):
-        y1, m1, r1 = lnlib.layer_norm_forward(x[i:i + 1], w, w)
+        y1, m1, r1 = lnlib.layer_norm_forward(x[i : i + 1], w, w)
         np.testing.assert_array_equal(y1[0], y[i])
         np.testing.assert_array_equal(m1[0], mean[i])
-        np.testing.assert_array_equal(lnlib.layer_norm_backward(dy[i:i + 1], x[i:i + 1], m1, r1, w)[0][0], dx[i])
+        np.testing.assert_array_equal(
+            lnlib.layer_norm_backward(dy[i : i + 1], x[i : i + 1], m1, r1, w)[0][0], dx[i]
+        )
     shifted = lnlib.layer_norm_forward(x[3:], w, w)[0]
     np.testing.assert_array_equal(shifted, y[3:])
     r = lnlib.rms_norm_forward(x, w)[0]
@@ -318,7 +351,7 @@ def test_results_do_not_depend_on_memory_alignment(rng, dtype):
     for offset in range(1, 8):
         junk = [np.empty(k * 3 + offset) for k in range(offset * 5)]  # noqa: F841 - shifts the heap
         buf = np.empty(m * n + 8, dtype)
-        xo = buf[offset:offset + m * n].reshape(m, n)
+        xo = buf[offset : offset + m * n].reshape(m, n)
         xo[...] = x
         got = lnlib.layer_norm_forward(xo)
         for g, v in zip(got, want):
@@ -435,11 +468,13 @@ def test_weight_offset_finite_differences_and_default(rng):
     y, mean, rstd = lnlib.layer_norm_forward(x, w, b, weight_offset=1.0)
     dx, dw, db = lnlib.layer_norm_backward(dy, x, mean, rstd, w, weight_offset=1.0)
     lnlib.check_grad(lambda v: lnlib.layer_norm(v, w, b, weight_offset=1.0), x, dy, dx)
-    lnlib.check_grad(lambda v: lnlib.layer_norm(x, v, b, weight_offset=1.0), w, dy, dw,
-                     name="dweight")
+    lnlib.check_grad(
+        lambda v: lnlib.layer_norm(x, v, b, weight_offset=1.0), w, dy, dw, name="dweight"
+    )
     np.testing.assert_array_equal(y, lnlib.layer_norm(x, 1.0 + w, b))
-    np.testing.assert_array_equal(lnlib.layer_norm(x, w, b),
-                                  lnlib.layer_norm(x, w, b, weight_offset=0.0))
+    np.testing.assert_array_equal(
+        lnlib.layer_norm(x, w, b), lnlib.layer_norm(x, w, b, weight_offset=0.0)
+    )
     with pytest.raises(ValueError, match="weight_offset=1.0 needs a weight"):
         lnlib.layer_norm(x, None, b, weight_offset=1.0)
     with pytest.raises(ValueError, match="weight_offset must be finite"):

@@ -68,13 +68,23 @@ def test_batch_norm_layer_train_and_eval(rng):
     assert np.all(layer.running_mean > 2)
     dy = rng.standard_normal(x.shape)
     dx = layer.backward(dy)
-    lnlib.check_grad(lambda v: lnlib.batch_norm(v, None, None, layer.weight, layer.bias, training=True), x, dy, dx)
+    lnlib.check_grad(
+        lambda v: lnlib.batch_norm(v, None, None, layer.weight, layer.bias, training=True),
+        x,
+        dy,
+        dx,
+    )
     layer.eval()
     y_eval = layer(x)
     assert not np.allclose(y_eval, y)
     dx_eval = layer.backward(dy)
     rm, rv = layer.running_mean.copy(), layer.running_var.copy()
-    lnlib.check_grad(lambda v: lnlib.batch_norm(v, rm, rv, layer.weight, layer.bias, training=False), x, dy, dx_eval)
+    lnlib.check_grad(
+        lambda v: lnlib.batch_norm(v, rm, rv, layer.weight, layer.bias, training=False),
+        x,
+        dy,
+        dx_eval,
+    )
 
 
 @pytest.mark.parametrize("xshape", [(4, 6), (4, 5, 6)])

@@ -1,4 +1,5 @@
-"""Property-based tests (hypothesis): shapes, dtypes and magnitudes; the invariances the book claims."""
+"""Property-based tests (hypothesis): shapes, dtypes and magnitudes; the invariances the book
+claims."""
 
 import numpy as np
 from hypothesis import assume, given, strategies as st
@@ -38,8 +39,11 @@ def _relative_error(got, want, scale=None):
 
 
 def _dx_scale(rstd, dy):
-    """The natural size of dx = rstd * (g - ...): it may cancel to far less, so judge against this."""
-    return float(np.max(rstd, initial=0.0)) * float(np.max(np.abs(dy.astype(np.float64)), initial=0.0))
+    """The natural size of dx = rstd * (g - ...): it may cancel to far less, so judge against
+    this."""
+    return float(np.max(rstd, initial=0.0)) * float(
+        np.max(np.abs(dy.astype(np.float64)), initial=0.0)
+    )
 
 
 TOL = {np.float64: 1e-9, np.float32: 1e-4, np.float16: 4e-3}
@@ -55,15 +59,19 @@ def test_layer_norm_is_accurate_at_every_magnitude(p):
     eps = 1e-5 * scale**2
     assume(np.isfinite(eps))
     y, mean, rstd = lnlib.layer_norm_forward(x, eps=eps, normalized_ndim=k)
-    want, wmean, wrstd = reference.layer_norm_forward(x.astype(np.float64), eps=eps, normalized_ndim=k)
+    want, wmean, wrstd = reference.layer_norm_forward(
+        x.astype(np.float64), eps=eps, normalized_ndim=k
+    )
     assert y.shape == x.shape and y.dtype == x.dtype
     assert mean.shape == rstd.shape == x.shape[: x.ndim - k]
     assert np.all(np.isfinite(y))
     assert _relative_error(y, want) < TOL[x.dtype.type]
     dy = rng.standard_normal(x.shape).astype(x.dtype)
     dx, dw, db = lnlib.layer_norm_backward(dy, x, mean, rstd)
-    wdx, wdw, wdb = reference.layer_norm_backward(dy.astype(np.float64), x.astype(np.float64), wmean, wrstd)
-    assert dx.dtype == x.dtype and dw.shape == x.shape[x.ndim - k:]
+    wdx, wdw, wdb = reference.layer_norm_backward(
+        dy.astype(np.float64), x.astype(np.float64), wmean, wrstd
+    )
+    assert dx.dtype == x.dtype and dw.shape == x.shape[x.ndim - k :]
     assert np.all(np.isfinite(dx))
     assert _relative_error(dx, wdx, _dx_scale(wrstd, dy)) < 8 * TOL[x.dtype.type]
 
@@ -94,30 +102,37 @@ def test_layer_norm_invariant_to_shifting_and_scaling_each_row(p, a, c):
     spread = np.std(x, axis=axes)
     assume(np.all(spread > 1e-6 * np.max(np.abs(x), axis=axes)))  # no (near-)constant rows
     y = lnlib.layer_norm(x, eps=0.0, normalized_ndim=k)
-    np.testing.assert_allclose(lnlib.layer_norm(a * x + c, eps=0.0, normalized_ndim=k), y, atol=1e-6)
+    np.testing.assert_allclose(
+        lnlib.layer_norm(a * x + c, eps=0.0, normalized_ndim=k), y, atol=1e-6
+    )
 
 
 @given(problems(dtypes=(np.float64,)), st.floats(0.01, 100))
 def test_rms_norm_invariant_to_scaling_only(p, a):
     x, k, _ = p
     assume(np.all(np.abs(x).max(axis=tuple(range(x.ndim - k, x.ndim))) > 0))
-    np.testing.assert_allclose(lnlib.rms_norm(a * x, eps=0.0, normalized_ndim=k),
-                               lnlib.rms_norm(x, eps=0.0, normalized_ndim=k), atol=1e-9)
+    np.testing.assert_allclose(
+        lnlib.rms_norm(a * x, eps=0.0, normalized_ndim=k),
+        lnlib.rms_norm(x, eps=0.0, normalized_ndim=k),
+        atol=1e-9,
+    )
 
 
 @given(problems(), st.data())
 def test_rows_are_independent_bitwise(p, data):
     """A row's output does not depend on the other rows or on its place in the batch."""
     x, k, rng = p
-    rows = x.reshape(-1, *x.shape[x.ndim - k:])
+    rows = x.reshape(-1, *x.shape[x.ndim - k :])
     assume(rows.shape[0] >= 2)
     y = lnlib.layer_norm(rows, normalized_ndim=k)
     perm = rng.permutation(rows.shape[0])
     np.testing.assert_array_equal(lnlib.layer_norm(rows[perm], normalized_ndim=k), y[perm])
     i = data.draw(st.integers(0, rows.shape[0] - 1))
-    np.testing.assert_array_equal(lnlib.layer_norm(rows[i:i + 1], normalized_ndim=k)[0], y[i])
-    np.testing.assert_array_equal(lnlib.rms_norm(rows[i:i + 1], normalized_ndim=k)[0],
-                                  lnlib.rms_norm(rows, normalized_ndim=k)[i])
+    np.testing.assert_array_equal(lnlib.layer_norm(rows[i : i + 1], normalized_ndim=k)[0], y[i])
+    np.testing.assert_array_equal(
+        lnlib.rms_norm(rows[i : i + 1], normalized_ndim=k)[0],
+        lnlib.rms_norm(rows, normalized_ndim=k)[i],
+    )
 
 
 @given(problems())
@@ -128,6 +143,6 @@ def test_normalized_rows_lie_on_the_sphere(p):
     axes = tuple(range(x.ndim - k, x.ndim))
     assume(np.all(np.std(x, axis=axes) > 1e-6 * np.max(np.abs(x), axis=axes)))
     y = lnlib.layer_norm(x, eps=0.0, normalized_ndim=k)
-    h = int(np.prod(x.shape[x.ndim - k:]))
+    h = int(np.prod(x.shape[x.ndim - k :]))
     np.testing.assert_allclose(y.sum(axis=axes), 0, atol=1e-9 * h)
     np.testing.assert_allclose((y * y).sum(axis=axes), h, rtol=1e-9)

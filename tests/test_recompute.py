@@ -13,7 +13,7 @@ from lnlib.recompute import (
 
 def _data(shape, k, seed, dtype=np.float64):
     rng = np.random.default_rng(seed)
-    norm = shape[len(shape) - k:]
+    norm = shape[len(shape) - k :]
     x = rng.normal(2.0, 3.0, size=shape).astype(dtype)
     weight = (rng.choice([-1.0, 1.0], size=norm) * rng.uniform(0.5, 1.5, size=norm)).astype(dtype)
     bias = rng.normal(size=norm).astype(dtype)

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 
 import lnlib
@@ -18,7 +17,7 @@ DTYPES = [np.float64, np.float32, np.float16]
 
 def _data(rng, shape, k, dtype):
     x = (rng.standard_normal(shape) * 2 + 0.5).astype(dtype)
-    w = (1 + 0.5 * rng.standard_normal(shape[len(shape) - k:])).astype(dtype)
+    w = (1 + 0.5 * rng.standard_normal(shape[len(shape) - k :])).astype(dtype)
     return x, w, rng.standard_normal(shape).astype(dtype)
 
 
@@ -33,7 +32,7 @@ def test_matches_torch(rng, xp, shape, k, dtype, affine):
     y, rstd, dx, dw = map(host, (y, rstd, dx, dw))
     tx = torch_tensor(x, True)
     tw = torch_tensor(w, True) if affine else None
-    ty = F.rms_norm(tx, x.shape[x.ndim - k:], tw, 1e-6)
+    ty = F.rms_norm(tx, x.shape[x.ndim - k :], tw, 1e-6)
     ty.backward(torch_tensor(dy))
     assert y.dtype == dx.dtype == x.dtype and rstd.shape == shape[: len(shape) - k]
     factor = 2.0 if dtype == np.float16 else 1.0
@@ -97,7 +96,9 @@ def test_batch_invariance_and_strides_bitwise(rng, dtype):
     y1, r1 = lnlib.rms_norm_forward(x[7:8])
     np.testing.assert_array_equal(y1[0], y[7])
     yr, rr = lnlib.rms_norm_forward(x[::-1, ::-1])
-    np.testing.assert_array_equal(yr, lnlib.rms_norm_forward(np.ascontiguousarray(x[::-1, ::-1]))[0])
+    np.testing.assert_array_equal(
+        yr, lnlib.rms_norm_forward(np.ascontiguousarray(x[::-1, ::-1]))[0]
+    )
 
 
 def test_inputs_not_modified_and_float16_no_overflow(rng):
@@ -110,7 +111,9 @@ def test_inputs_not_modified_and_float16_no_overflow(rng):
     for a, c in zip((x, w, dy), copies):
         np.testing.assert_array_equal(a, c)
     assert all(np.all(np.isfinite(a)) for a in (y, rstd, dx, dw))
-    assert_close(y, reference.rms_norm_forward(x.astype(np.float64), w.astype(np.float64))[0], np.float16)
+    assert_close(
+        y, reference.rms_norm_forward(x.astype(np.float64), w.astype(np.float64))[0], np.float16
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
@@ -129,7 +132,8 @@ def test_weight_offset_matches_gemma_style_torch_composition(rng, dtype):
     assert_close(dw, tw.grad.numpy(), dtype, factor=16)
     if dtype == np.float64:
         lnlib.check_grad(lambda v: lnlib.rms_norm(v, w, weight_offset=1.0), x, dy, dx)
-        lnlib.check_grad(lambda v: lnlib.rms_norm(x, v, weight_offset=1.0), w, dy, dw,
-                         name="dweight")
+        lnlib.check_grad(
+            lambda v: lnlib.rms_norm(x, v, weight_offset=1.0), w, dy, dw, name="dweight"
+        )
     with pytest.raises(ValueError, match="needs a weight"):
         lnlib.rms_norm_backward(dy, x, rstd, None, weight_offset=1.0)

@@ -15,7 +15,7 @@ from lnlib import torch_bridge as tb  # noqa: E402
 
 def _double(*shape, seed=0, scale=1.0, shift=0.0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift)
+    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift
 
 
 def test_import_lnlib_does_not_import_torch():
@@ -79,8 +79,9 @@ def test_rms_norm_equals_torch():
     F.rms_norm(theirs[0], (24,), theirs[1]).backward(dy)
     for a, c in zip(ours, theirs):
         torch.testing.assert_close(a.grad, c.grad, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(tb.rms_norm(x, 24, w), F.rms_norm(x, (24,), w),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        tb.rms_norm(x, 24, w), F.rms_norm(x, (24,), w), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_forward_is_zero_copy_on_input():
@@ -102,8 +103,7 @@ def test_forward_is_zero_copy_on_input():
 
 def test_non_contiguous_and_bfloat16():
     x = _double(6, 10, seed=16).t()  # (10, 6), not contiguous
-    torch.testing.assert_close(tb.layer_norm(x, 6), F.layer_norm(x, (6,)),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tb.layer_norm(x, 6), F.layer_norm(x, (6,)), rtol=1e-12, atol=1e-12)
     xb = x.to(torch.bfloat16)
     yb = tb.layer_norm(xb, 6)
     assert yb.dtype == torch.bfloat16
@@ -141,8 +141,13 @@ def test_bad_input_is_named():
 def _tiny_model(norm_cls, seed):
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(8, 16), norm_cls(16), nn.GELU(), nn.Linear(16, 16), norm_cls(16),
-        nn.GELU(), nn.Linear(16, 1),
+        nn.Linear(8, 16),
+        norm_cls(16),
+        nn.GELU(),
+        nn.Linear(16, 16),
+        norm_cls(16),
+        nn.GELU(),
+        nn.Linear(16, 1),
     ).double()
 
 
@@ -171,7 +176,7 @@ def test_drop_in_trains_to_the_same_loss():
 def _second_derivative_paths(fn, x):
     """The three ways torch builds a graph through a backward."""
     y = fn(x)
-    (g,) = torch.autograd.grad((y ** 3).sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad((y**3).sum(), x, create_graph=True)
     torch.autograd.grad(g.sum(), x)
     torch.autograd.functional.hessian(lambda v: (fn(v) ** 3).sum(), x)
 
@@ -181,10 +186,12 @@ def test_second_derivatives_raise_instead_of_returning_zeros(which):
     """Issue 8: create_graph=True and hessian gave None or zeros through the bridge."""
     x = _double(3, 5, seed=20).requires_grad_()
     w = _double(5, seed=21, shift=1.0).requires_grad_()
-    fn = {"layer_norm": lambda v: tb.layer_norm(v, (5,), w),
-          "rms_norm": lambda v: tb.rms_norm(v, 5, w, eps=1e-6),
-          "LayerNorm": tb.LayerNorm(5, dtype=torch.float64),
-          "RMSNorm": tb.RMSNorm(5, eps=1e-6, dtype=torch.float64)}[which]
+    fn = {
+        "layer_norm": lambda v: tb.layer_norm(v, (5,), w),
+        "rms_norm": lambda v: tb.rms_norm(v, 5, w, eps=1e-6),
+        "LayerNorm": tb.LayerNorm(5, dtype=torch.float64),
+        "RMSNorm": tb.RMSNorm(5, eps=1e-6, dtype=torch.float64),
+    }[which]
     with pytest.raises(RuntimeError, match="not differentiable \\(no double backward\\)"):
         _second_derivative_paths(fn, x)
     with pytest.raises(RuntimeError, match="no double backward"):
@@ -212,15 +219,22 @@ def test_weight_offset_matches_torch_composition(offset):
     for got, want in zip((x, w, b), ref):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-10)
     assert torch.autograd.gradcheck(
-        lambda x, w: tb.rms_norm(x, 8, w, eps=1e-6, weight_offset=offset), (x, w))
+        lambda x, w: tb.rms_norm(x, 8, w, eps=1e-6, weight_offset=offset), (x, w)
+    )
 
 
 def test_zero_centred_modules_start_as_the_plain_ones():
     x = _double(3, 7, seed=34)
-    for mod, plain in ((tb.LayerNorm(7, weight_offset=1.0, dtype=torch.float64),
-                        nn.LayerNorm(7, dtype=torch.float64)),
-                       (tb.RMSNorm(7, eps=1e-6, weight_offset=1.0, dtype=torch.float64),
-                        nn.RMSNorm(7, eps=1e-6, dtype=torch.float64))):
+    for mod, plain in (
+        (
+            tb.LayerNorm(7, weight_offset=1.0, dtype=torch.float64),
+            nn.LayerNorm(7, dtype=torch.float64),
+        ),
+        (
+            tb.RMSNorm(7, eps=1e-6, weight_offset=1.0, dtype=torch.float64),
+            nn.RMSNorm(7, eps=1e-6, dtype=torch.float64),
+        ),
+    ):
         assert torch.count_nonzero(mod.weight) == 0
         torch.testing.assert_close(mod(x), plain(x), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="weight_offset"):

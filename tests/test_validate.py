@@ -16,14 +16,24 @@ FORWARDS = {
     "layer_norm": lambda x, **kw: lnlib.layer_norm(x, **kw),
     "rms_norm_forward": lambda x, **kw: lnlib.rms_norm_forward(x, **kw),
     "rms_norm": lambda x, **kw: lnlib.rms_norm(x, **kw),
-    "ada_layer_norm_forward": lambda x, **kw: lnlib.ada_layer_norm_forward(x, np.zeros(x.shape[-1:] or 1), np.zeros(x.shape[-1:] or 1), **kw),
+    "ada_layer_norm_forward": lambda x, **kw: lnlib.ada_layer_norm_forward(
+        x, np.zeros(x.shape[-1:] or 1), np.zeros(x.shape[-1:] or 1), **kw
+    ),
 }
 
 
 @pytest.mark.parametrize("fn", FORWARDS.values(), ids=FORWARDS.keys())
-@pytest.mark.parametrize("x", [np.ones((2, 3), int), np.ones((2, 3), bool), np.ones((2, 3), complex),
-                               np.array([[1.0, "a"]], dtype=object), np.ones((2, 3), np.uint8)],
-                         ids=["int", "bool", "complex", "object", "uint8"])
+@pytest.mark.parametrize(
+    "x",
+    [
+        np.ones((2, 3), int),
+        np.ones((2, 3), bool),
+        np.ones((2, 3), complex),
+        np.array([[1.0, "a"]], dtype=object),
+        np.ones((2, 3), np.uint8),
+    ],
+    ids=["int", "bool", "complex", "object", "uint8"],
+)
 def test_non_floating_x_is_a_type_error(fn, x):
     with pytest.raises(TypeError, match="x must have a floating dtype"):
         fn(x)
@@ -49,7 +59,9 @@ def test_normalized_ndim_must_be_an_int(fn):
         fn(X, normalized_ndim=1.0)
 
 
-@pytest.mark.parametrize("fn", [lnlib.layer_norm_forward, lnlib.rms_norm_forward], ids=["ln", "rms"])
+@pytest.mark.parametrize(
+    "fn", [lnlib.layer_norm_forward, lnlib.rms_norm_forward], ids=["ln", "rms"]
+)
 def test_empty_normalized_axis(fn):
     with pytest.raises(ValueError, match="empty normalized axis"):
         fn(np.ones((3, 0)))
@@ -113,7 +125,9 @@ def test_mixed_array_libraries_are_a_type_error():
 
     sys.modules["cupy"] = FakeCupy
     try:
-        with pytest.raises(TypeError, match="different array libraries: weight is a CuPy array but x is not"):
+        with pytest.raises(
+            TypeError, match="different array libraries: weight is a CuPy array but x is not"
+        ):
             lnlib.layer_norm(X, FakeCupy.ndarray())
         with pytest.raises(TypeError, match="different array libraries"):
             lnlib.rms_norm_backward(np.ones((2, 3)), FakeCupy.ndarray(), np.ones(2))
@@ -137,7 +151,9 @@ def test_import_needs_numpy_only_and_is_fast():
         "bad = [m for m in ('torch', 'cupy', 'matplotlib', 'scipy') if m in sys.modules]; "
         "print(dt, bad)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     dt, bad = out.split(" ", 1)
     assert bad.strip() == "[]", f"import lnlib pulled in {bad}"
     assert float(dt) < 1.0, f"import lnlib took {float(dt):.2f} s"
@@ -175,8 +191,9 @@ def test_kernel_switched_off_by_every_off_value(monkeypatch, value):
     monkeypatch.setenv("LNLIB_CPU_KERNEL", value)
     kernel = lnlib.show_config(file=False)["implementations"]["kernel"]
     assert not kernel["available"] and "LNLIB_CPU_KERNEL" in kernel["reason"]
-    assert _backend.select("layer_norm_forward", np, np.float32).__module__ == \
-        "lnlib._cpu.numpy_rows"
+    assert (
+        _backend.select("layer_norm_forward", np, np.float32).__module__ == "lnlib._cpu.numpy_rows"
+    )
     with pytest.raises(RuntimeError, match="not available here: disabled by LNLIB_CPU_KERNEL"):
         with lnlib.use_implementation("kernel"):
             lnlib.layer_norm(X.astype(np.float32))
