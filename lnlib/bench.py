@@ -129,8 +129,13 @@ def _inputs(shape, dtype, seed=0):
     return x, weight, bias, dy
 
 
-def contenders(shape, dtype, eps=1e-5):
-    """The timed callables for one shape: lnlib and torch, forward and forward+backward."""
+def contenders(shape, dtype, eps=1e-5, op="layer_norm"):
+    """The timed callables for one shape: lnlib and torch, forward and forward+backward.
+
+    ``op`` is ``"layer_norm"`` or ``"rms_norm"``.
+    """
+    if op == "rms_norm":
+        return _rms_norm_contenders(shape, dtype, eps)
     import torch
     import torch.nn.functional as F
 
@@ -159,6 +164,35 @@ def contenders(shape, dtype, eps=1e-5):
             "lnlib_bwd": lambda: lnlib.layer_norm_backward(dy, x, *saved, weight)}
 
 
+def _rms_norm_contenders(shape, dtype, eps):
+    import torch
+    import torch.nn.functional as F
+
+    h = shape[1]
+    x, weight, _, dy = _inputs(shape, dtype)  # (M, H), (H,), (M, H)
+    xt, wt, dyt = (torch.from_numpy(a) for a in (x, weight, dy))
+    wg = wt.clone().requires_grad_()
+    rstd = lnlib.rms_norm_forward(x, weight, eps=eps)[1]  # (M,)
+
+    def lnlib_fwdbwd():
+        return lnlib.rms_norm_backward(dy, x, lnlib.rms_norm_forward(x, weight, eps=eps)[1],
+                                       weight)
+
+    def torch_fwd():
+        with torch.no_grad():
+            return F.rms_norm(xt, (h,), wt, eps)
+
+    def torch_fwdbwd():
+        wg.grad = None
+        xg = xt.detach().requires_grad_()
+        F.rms_norm(xg, (h,), wg, eps).backward(dyt)
+        return xg.grad, wg.grad
+
+    return {"lnlib_fwd": lambda: lnlib.rms_norm_forward(x, weight, eps=eps),
+            "torch_fwd": torch_fwd, "lnlib_fwdbwd": lnlib_fwdbwd, "torch_fwdbwd": torch_fwdbwd,
+            "lnlib_bwd": lambda: lnlib.rms_norm_backward(dy, x, rstd, weight)}
+
+
 def check(tasks, shape, dtype):
     """Run lnlib and torch once and compare y and dx: time only what has been checked.
 
@@ -176,8 +210,11 @@ def check(tasks, shape, dtype):
     return err_fwd, err_bwd
 
 
-def report(shape, dtype, times, errors, copy_GBps):
-    """The result row of one shape: medians, ratios to torch, GB/s and fraction of the copy."""
+def report(shape, dtype, times, errors, copy_GBps, op="layer_norm"):
+    """The result row of one shape: medians, ratios to torch, GB/s and fraction of the copy.
+
+    ``copy_GBps`` is the bound: the best copy of the machine (single or threaded).
+    """
     m, h = shape
     med = {k: statistics.median(v) for k, v in times.items()}
     item = np.dtype(dtype).itemsize
@@ -185,7 +222,7 @@ def report(shape, dtype, times, errors, copy_GBps):
     bytes_fwd = 2 * m * h * item + stats
     bytes_fwdbwd = 5 * m * h * item + 2 * stats
     row = {
-        "shape": [m, h], "dtype": np.dtype(dtype).name,
+        "op": op, "shape": [m, h], "dtype": np.dtype(dtype).name,
         "repeats": len(next(iter(times.values()))),
         "max_abs_diff_fwd": errors[0], "max_abs_diff_dx": errors[1],
         "bytes_fwd": bytes_fwd, "bytes_fwdbwd": bytes_fwdbwd,
@@ -202,11 +239,11 @@ def report(shape, dtype, times, errors, copy_GBps):
     return row
 
 
-def bench_shape(shape, dtype, repeats, copy_GBps, eps=1e-5):
+def bench_shape(shape, dtype, repeats, copy_GBps, eps=1e-5, op="layer_norm"):
     """Check, time and report lnlib against torch on one shape; returns the result row."""
-    tasks = contenders(shape, dtype, eps)
+    tasks = contenders(shape, dtype, eps, op)
     errors = check(tasks, shape, dtype)
-    return report(shape, dtype, _median_times(tasks, repeats), errors, copy_GBps)
+    return report(shape, dtype, _median_times(tasks, repeats), errors, copy_GBps, op)
 
 
 def step_variants(x, weight, bias, eps):
@@ -347,34 +384,48 @@ def machine_info():
         "platform": platform.platform(), "processor": platform.processor(),
         "python": platform.python_version(), "numpy": np.__version__,
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "cpu_threads": lnlib_cpu_threads(),
+        "cpu_threads": lnlib_cpu_threads(), "cpu_model": _cpu_model(),
         "lnlib_cpu_path": _cpu_path(),
     }
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _cpu_path():
     from lnlib._cpu import kernels
 
     info = kernels.info()
-    return "compiled C kernel" if info["kernel"] else f"NumPy ({info['reason']})"
+    if not info["kernel"]:
+        return f"NumPy ({info['reason']})"
+    return f"compiled C kernel ({info['version']} version)"
 
 
 def format_table(results, copy):
     """The comparison as a plain-text table."""
-    head = (f"{'shape':>12} {'dtype':>8} | {'pass':>7} {'lnlib ms':>9} {'torch ms':>9} "
-            f"{'speedup':>8} {'GB/s':>7} {'of copy':>8}")
+    head = (f"{'op':>10} {'shape':>12} {'dtype':>8} | {'pass':>7} {'lnlib ms':>9} "
+            f"{'torch ms':>9} {'speedup':>8} {'GB/s':>7} {'of bound':>8}")
     copy_line = (f"memory copy (np.copyto): {copy['copy_GBps']:.2f} GB/s; "
-                 f"{copy['copy_threads']} threads: {copy['copy_threads_GBps']:.2f} GB/s")
+                 f"{copy['copy_threads']} threads: {copy['copy_threads_GBps']:.2f} GB/s; "
+                 f"bound = best copy: {copy['best_GBps']:.2f} GB/s")
     lines = [copy_line, head, "-" * len(head)]
     for r in results:
-        shape = "x".join(map(str, r["shape"]))
+        shape = f"{r.get('op', 'layer_norm'):>10} " + "x".join(map(str, r["shape"])).rjust(12)
         for kind, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
             lines.append(
-                f"{shape:>12} {r['dtype']:>8} | {label:>7} {r[f'lnlib_{kind}_s'] * 1e3:9.2f} "
+                f"{shape} {r['dtype']:>8} | {label:>7} {r[f'lnlib_{kind}_s'] * 1e3:9.2f} "
                 f"{r[f'torch_{kind}_s'] * 1e3:9.2f} {r[f'{kind}_speedup']:7.2f}x "
                 f"{r[f'lnlib_{kind}_GBps']:7.2f} {r[f'lnlib_{kind}_copy_fraction']:7.0%}")
         if "lnlib_bwd_s" in r:
-            lines.append(f"{shape:>12} {r['dtype']:>8} | {'bwd':>7} {r['lnlib_bwd_s'] * 1e3:9.2f} "
+            lines.append(f"{shape} {r['dtype']:>8} | {'bwd':>7} {r['lnlib_bwd_s'] * 1e3:9.2f} "
                          f"{'':>9} (lnlib backward alone, from saved mean and rstd)")
     return "\n".join(lines)
 
@@ -390,13 +441,17 @@ def format_steps(steps_results):
     return "\n".join(lines)
 
 
-def run(shapes, dtypes, repeats, *, steps=False, copy_bytes=1 << 28, copy_repeats=None):
+def run(shapes, dtypes, repeats, *, steps=False, copy_bytes=1 << 28, copy_repeats=None,
+        ops=("layer_norm",)):
     """Run the benchmark and return the results as a JSON-ready dict."""
     copy = copy_bandwidth(copy_bytes, copy_repeats or repeats)
+    copy["best_GBps"] = max(copy["copy_GBps"], copy["copy_threads_GBps"])
     out = {"machine": machine_info(), "copy": copy, "results": [], "steps": []}
     for dtype in dtypes:
         for shape in shapes:
-            out["results"].append(bench_shape(shape, dtype, repeats, copy["copy_GBps"]))
+            for op in ops:
+                out["results"].append(
+                    bench_shape(shape, dtype, repeats, copy["best_GBps"], op=op))
             if steps:
                 out["steps"].append(bench_steps(shape, dtype, repeats, copy["copy_GBps"]))
     return out
@@ -412,6 +467,8 @@ def main(argv=None):
     p.add_argument("--shapes", default=None,
                    help=f"comma-separated MxH (default {DEFAULT_SHAPES}; --quick: {QUICK_SHAPES})")
     p.add_argument("--dtypes", default="float32", help="comma-separated (default float32)")
+    p.add_argument("--ops", default="layer_norm",
+                   help="comma-separated, of layer_norm and rms_norm (default layer_norm)")
     p.add_argument("--repeats", type=int, default=None,
                    help="interleaved repeats per contender (default 21; --quick: 3)")
     p.add_argument("--steps", action="store_true",
@@ -432,11 +489,14 @@ def main(argv=None):
     for d in dtypes:
         if d.kind != "f":
             p.error(f"--dtypes: expected floating dtypes, got {d}")
+    ops = [o.strip() for o in args.ops.split(",")]
+    if not set(ops) <= {"layer_norm", "rms_norm"}:
+        p.error(f"--ops: expected layer_norm and/or rms_norm, got {args.ops!r}")
     repeats = args.repeats or (3 if args.quick else 21)
     if repeats < 1:
         p.error("--repeats: expected a positive number")
     copy_bytes = (1 << 26) if args.quick else (1 << 28)
-    result = run(shapes, dtypes, repeats, steps=args.steps, copy_bytes=copy_bytes)
+    result = run(shapes, dtypes, repeats, steps=args.steps, copy_bytes=copy_bytes, ops=ops)
     result["command"] = "python -m lnlib.bench " + " ".join(
         sys.argv[1:] if argv is None else argv)
     print(format_table(result["results"], result["copy"]))

@@ -83,7 +83,7 @@ def _load():
         module = importlib.import_module(name)
     except ImportError as exc:
         return None, f"extension module {spec.origin} cannot be imported ({exc})"
-    missing = [f for f in _FUNCTIONS + ["sum_blocks_pairwise"]
+    missing = [f for f in _FUNCTIONS + ["sum_blocks_pairwise", "norms_kernel_version"]
                if not hasattr(getattr(module, "lib", None), f)]
     if missing:
         return None, (f"extension module {spec.origin} lacks {', '.join(missing)} "
@@ -139,12 +139,16 @@ def info():
     Returns
     -------
     dict
-        ``{"kernel": bool, "reason": str, "path": str or None, "flags": list of str,
-        "source": str}``: ``path`` is the loaded extension module, ``flags`` the compiler
-        flags it was built with, ``source`` the C file, relative to the package.
+        ``{"kernel": bool, "reason": str, "path": str or None, "version": str or None,
+        "flags": list of str, "source": str}``: ``path`` is the loaded extension module,
+        ``version`` the vector width the loader picked for this CPU (``"avx512f"``,
+        ``"avx2"`` or ``"default"``; every version gives the same bits), ``flags`` the
+        compiler flags it was built with, ``source`` the C file, relative to the package.
     """
     module = _module()
+    version = None if module is None else module.ffi.string(module.lib.norms_kernel_version())
     return {"kernel": module is not None, "reason": _state["reason"], "path": _state["path"],
+            "version": None if version is None else version.decode(),
             "flags": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
             "source": "kernels/norms_cpu.c"}
 

@@ -47,6 +47,10 @@ void rms_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *x, pt
                            const double *rstd, const double *weight, double *dx,
                            double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
 
+/* The version of the kernels the loader picked for this CPU: "avx512f", "avx2" or "default"
+ * (the compiler's baseline; the only one where multi-versioning is not available). */
+const char *norms_kernel_version(void);
+
 /* Adds the rows of blocks (nblocks, n) pairwise, in a fixed order; the total ends in row 0. */
 void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n);
 

@@ -36,10 +36,24 @@ enum { LANES = 16, BLOCK = 256 };
 /* Function multi-versioning (GCC or Clang on x86-64 Linux); flatten inlines the helpers so
  * that they are compiled for each width too. -DNORMS_NO_CLONES builds one version only. */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(NORMS_NO_CLONES)
+#define NORMS_CLONES 1
 #define NORMS_KERNEL __attribute__((target_clones("avx512f", "avx2", "default"), flatten))
 #else
+#define NORMS_CLONES 0
 #define NORMS_KERNEL
 #endif
+
+const char *norms_kernel_version(void)
+{
+#if NORMS_CLONES
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        return "avx512f";
+    if (__builtin_cpu_supports("avx2"))
+        return "avx2";
+#endif
+    return "default";
+}
 
 static ptrdiff_t block_len(ptrdiff_t start, ptrdiff_t n)
 {
