@@ -24,7 +24,7 @@ Implementations are registered by name; a device adds one with one :func:`regist
 * ``"kernel"``: the compiled C kernel (:mod:`lnlib._cpu.kernels`), float32 and float64;
 * ``"numpy"``: the blocked NumPy fast path (:mod:`lnlib._cpu.numpy_rows`), every dtype;
 * ``"reference"``: the readable formulas of :mod:`lnlib.reference`, NumPy or CuPy;
-* ``"cuda"``: CUDA kernels through CuPy (registered by :mod:`lnlib._cuda` when present).
+* ``"cuda"``: CUDA kernels through CuPy (:mod:`lnlib._cuda.rows`), where a GPU is present.
 
 ``"auto"`` (the default) takes the kernel where it can and the NumPy path otherwise on the
 CPU, and ``"cuda"`` (else the reference) for CuPy arrays. :func:`use_implementation` forces
