@@ -65,6 +65,8 @@ PASSES = {
 }
 
 _CTYPES = {np.dtype(np.float32): ("float", "f32"), np.dtype(np.float64): ("double", "f64")}
+_CDECL = {dtype: f"{ctype}[]" for dtype, (ctype, _) in _CTYPES.items()}
+_FILLED = {}  # read-only ones and zeros for absent parameters, by (D, dtype, value)
 _FUNCTIONS = [f"{op}_{suffix}" for op in PASSES for suffix in ("f32", "f64")]
 _lock = threading.Lock()
 _state = {"module": None, "loaded": False, "reason": "not loaded yet", "path": None}
@@ -181,12 +183,12 @@ def _pointer(a, writable=False):
     type comes from ``a``'s dtype, so cffi rejects an array of the wrong dtype.
     """
     ffi = _state["module"].ffi
-    ctype = _CTYPES[a.dtype][0]
-    if a.ndim == 2 and a.shape[0] > 1 and not a.flags.c_contiguous:
-        # rows with a gap between them: the span from the first to the last element
+    try:
+        return ffi.from_buffer(_CDECL[a.dtype], a, require_writable=writable)
+    except ValueError:  # rows with a gap between them: the span from first to last element
         span = (a.shape[0] - 1) * _ld(a) + a.shape[1]
         a = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
-    return ffi.from_buffer(f"{ctype}[]", a, require_writable=writable)
+        return ffi.from_buffer(_CDECL[a.dtype], a, require_writable=writable)
 
 
 def _ld(a):
@@ -205,9 +207,15 @@ def _rows(a, dtype):
 
 def _vector(param, n, dtype, fill):
     """A parameter as a contiguous (D,) vector of ``dtype``; ``fill`` everywhere when None."""
-    if param is None:
-        return np.full(n, fill, dtype=dtype)
-    return np.ascontiguousarray(param, dtype=dtype)
+    if param is not None:
+        return np.ascontiguousarray(param, dtype=dtype)
+    key = (n, dtype, fill)
+    if key not in _FILLED:
+        if len(_FILLED) > 32:
+            _FILLED.clear()
+        _FILLED[key] = np.full(n, fill, dtype=dtype)
+        _FILLED[key].flags.writeable = False
+    return _FILLED[key]
 
 
 def _column_blocks(m, n):
