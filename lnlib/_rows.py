@@ -93,19 +93,19 @@ def run_chunks(m, n, chunk_fn, *, block_rows=None, threads=None, itemsize=4):
     return results
 
 
-#: Rows summed together in the accumulation dtype before a float64 total takes the sum over.
+#: Rows summed together in the accumulation dtype before a float64 total takes over.
 COLUMN_GROUP_ROWS = 256
 
 
-def add_column_sums(total, a, scale=None):
-    """``total += sum over the rows of a`` (each row times ``scale[i]`` if given).
+def column_group_sums(a, scale=None):
+    """Sums over the rows of ``a`` (k, D), each row times ``scale[i]`` if given, per group.
 
-    ``a`` (k, D) is summed in groups of :data:`COLUMN_GROUP_ROWS` rows in its own dtype (one
-    BLAS matrix-vector product each) and the group sums are added into ``total`` (D,), which
-    should be float64: the rounding error then does not grow with the number of rows, and the
-    order of the additions is fixed by the row count alone.
+    One sum (a BLAS matrix-vector product, in the dtype of ``a``) per group of
+    :data:`COLUMN_GROUP_ROWS` rows; returns the list of ``(D,)`` group sums. Adding them in
+    float64 with :func:`add_in_order` gives a total whose rounding error does not grow with the
+    number of rows, and whose bits depend on the row count only (not on threads).
     """
-    ones = None
+    sums, ones = [], None
     for s in range(0, a.shape[0], COLUMN_GROUP_ROWS):
         e = min(s + COLUMN_GROUP_ROWS, a.shape[0])
         if scale is None:
@@ -114,18 +114,16 @@ def add_column_sums(total, a, scale=None):
             w = ones[: e - s]
         else:
             w = scale[s:e]
-        total += np.matmul(w, a[s:e])
+        sums.append(np.matmul(w, a[s:e]))
+    return sums
+
+
+def add_in_order(groups, n):
+    """The float64 total of the ``(n,)`` arrays ``groups``, added one after the other."""
+    total = np.zeros(n, dtype=np.float64)
+    for g in groups:
+        total += g
     return total
-
-
-def sum_chunks(parts):
-    """Add the per-chunk partial sums (tuples of arrays) in chunk order, so the result is
-    deterministic for a given split; returns one tuple of totals."""
-    totals = parts[0]  # fresh arrays of the first chunk, added into in place
-    for part in parts[1:]:
-        for total, a in zip(totals, part):
-            total += a
-    return totals
 
 
 def as_rows(x, k):

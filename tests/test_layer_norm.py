@@ -479,3 +479,22 @@ def test_weight_offset_finite_differences_and_default(rng):
         lnlib.layer_norm(x, None, b, weight_offset=1.0)
     with pytest.raises(ValueError, match="weight_offset must be finite"):
         lnlib.layer_norm(x, w, b, weight_offset=float("nan"))
+
+
+def test_numpy_path_parameter_gradients_do_not_depend_on_threads(rng):
+    """The group sums are added in row order, whatever the split into threads."""
+    from lnlib._cpu import numpy_rows
+
+    x = rng.standard_normal((3000, 24)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    w = rng.standard_normal(24).astype(np.float32)
+    _, mean, rstd = numpy_rows.layer_norm_forward_rows(x, w, None, 1e-5)
+    _, r = numpy_rows.rms_norm_forward_rows(x, w, 1e-5)
+    want = numpy_rows.layer_norm_backward_rows(dy, x, mean, rstd, w, block_rows=64, threads=1)
+    want_r = numpy_rows.rms_norm_backward_rows(dy, x, r, w, block_rows=64, threads=1)
+    for threads in (2, 3, 5):
+        got = numpy_rows.layer_norm_backward_rows(dy, x, mean, rstd, w, block_rows=64,
+                                                  threads=threads)
+        got_r = numpy_rows.rms_norm_backward_rows(dy, x, r, w, block_rows=64, threads=threads)
+        for a, b in zip((*got, *got_r), (*want, *want_r)):
+            np.testing.assert_array_equal(a, b)

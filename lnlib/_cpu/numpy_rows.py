@@ -9,7 +9,7 @@ how each step was chosen.
 import numpy as np
 
 from .._backend import accumulation_dtype
-from .._rows import add_column_sums, load_block, run_chunks, sum_chunks
+from .._rows import add_in_order, column_group_sums, load_block, run_chunks
 
 __all__ = ["layer_norm_forward_rows", "layer_norm_backward_rows", "rms_norm_forward_rows",
            "rms_norm_backward_rows"]
@@ -94,7 +94,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
     the same quantity as ``rstd * (g - mean(g) - xhat * mean(g xhat))`` with ``g = dy * weight``,
     arranged so that each pass over the block does as much as one NumPy call can. The column
     sums ``dweight += rstd @ D`` and ``dbias += 1 @ dy`` are matrix-vector products over
-    groups of rows, added into float64 totals (:func:`lnlib._rows.add_column_sums`).
+    groups of rows, added in row order in float64 (:func:`lnlib._rows.column_group_sums`), so
+    their bits do not depend on the number of threads.
     """
     m, n = x.shape
     acc = mean.dtype
@@ -105,7 +106,7 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
         rows = max(1, min(rows, stop - start))
         xc, prod, xbuf, dybuf = (np.empty((rows, n), dtype=acc) for _ in range(4))
         c1, c2 = np.empty(rows, dtype=acc), np.empty(rows, dtype=acc)
-        dweight, dbias = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.float64)
+        dweight, dbias = [], []  # group sums, in row order
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, r = slice(0, j - i), rstd[i:j]
@@ -114,8 +115,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
             g = load_block(dy[i:j], dybuf, acc)
             d = prod[b]
             np.multiply(g, c, out=d)
-            add_column_sums(dweight, d, r)
-            add_column_sums(dbias, g)
+            dweight += column_group_sums(d, r)
+            dbias += column_group_sums(g)
             np.matmul(g[:, None, :], w[:, None], out=c1[b].reshape(-1, 1, 1))
             np.matmul(d[:, None, :], w[:, None], out=c2[b].reshape(-1, 1, 1))
             alpha, beta = c2[b], c1[b]
@@ -134,7 +135,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
         return dweight, dbias
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
-    return (dx, *sum_chunks(parts))
+    return (dx, add_in_order((g for p in parts for g in p[0]), n),
+            add_in_order((g for p in parts for g in p[1]), n))
 
 
 
@@ -190,7 +192,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
         rows = max(1, min(rows, stop - start))
         prod, xbuf, dybuf, scaled = (np.empty((rows, n), dtype=acc) for _ in range(4))
         c = np.empty(rows, dtype=acc)
-        dweight = np.zeros(n, dtype=np.float64)
+        dweight = []  # group sums, in row order
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, r = slice(0, j - i), rstd[i:j]
@@ -198,7 +200,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
             g = load_block(dy[i:j], dybuf, acc)
             d = prod[b]
             np.multiply(g, xb, out=d)
-            add_column_sums(dweight, d, r)
+            dweight += column_group_sums(d, r)
             np.matmul(d[:, None, :], w[:, None], out=c[b].reshape(-1, 1, 1))
             alpha = c[b]
             alpha *= r
@@ -211,7 +213,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
             np.subtract(out, d, out=out)
             if dx.dtype != acc:
                 np.copyto(dx[i:j], out, casting="same_kind")
-        return (dweight,)
+        return dweight
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
-    return (dx, *sum_chunks(parts))
+    return dx, add_in_order((g for p in parts for g in p), n)
