@@ -132,6 +132,12 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     TypeError, ValueError
         As for :func:`lnlib.layer_norm_backward`, and for a ``scale`` or ``shift_shape``
         that does not broadcast against ``x``.
+
+    Notes
+    -----
+    Runs on the LayerNorm row implementation chosen by :func:`lnlib.use_implementation`,
+    block by block, so the temporaries stay small; accumulated in float32 for float16/float32
+    ``x`` (float64 for float64), whatever the dtype of ``mean`` and ``rstd``.
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, scale=scale)
     dy, x, (mean, rstd), k = check.backward_inputs(dy, x, xp, mean=mean, rstd=rstd)

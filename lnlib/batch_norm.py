@@ -145,11 +145,14 @@ def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, 
     ValueError
         ``x`` with fewer than 2 axes or no values; parameters or running statistics not of
         shape ``(C,)``; running statistics missing in evaluation; a single value per channel
-        in training (its unbiased variance is undefined); bad ``eps`` or ``momentum``.
+        in training (its unbiased variance is undefined); bad ``eps`` or ``momentum``; a
+        read-only running statistic in training (checked before anything is updated).
 
     Notes
     -----
-    Compared with LayerNorm in the book, chapter "Motivation".
+    The statistics are a corrected two-pass over fixed blocks of the input, each block summed
+    in float64: as accurate for ``(N, C)`` as for ``(1, C, N)`` input, and the temporaries stay
+    a few blocks in size. Compared with LayerNorm in the book, chapter "Motivation".
 
     References
     ----------
@@ -218,6 +221,11 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     TypeError, ValueError
         Non-floating arrays; ``dy`` not shaped like ``x``; ``mean``/``rstd``/``weight`` not of
         shape ``(C,)``.
+
+    Notes
+    -----
+    Accumulated in float32 for float16/float32 ``x`` (float64 for float64), whatever the dtype
+    of ``mean`` and ``rstd``; the parameter gradients are summed per block in float64.
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
     dy, x, mean, rstd, weight = _backward_args(dy, x, mean, rstd, weight, xp)
