@@ -24,7 +24,8 @@ The book derives each of them in Chapter 6.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -33,12 +34,12 @@ from ..layer_norm import layer_norm
 from ._core import Case, CheckResult, check
 
 __all__ = [
+    "check_adaln_zero_block",
+    "check_fold_norm_gain",
+    "check_outlier_features",
     "check_residual_block",
     "check_scaling_exponent",
-    "check_adaln_zero_block",
     "check_td_targets",
-    "check_outlier_features",
-    "check_fold_norm_gain",
 ]
 
 PLACEMENTS = ("post", "pre", "peri")
@@ -165,12 +166,11 @@ def check_adaln_zero_block(fn: Callable[..., Any]) -> CheckResult:
     f = _Sublayer(d, 3)
     x, c = rng.normal(size=(b, d)), rng.normal(size=(b, cdim))
     w, bias = rng.normal(size=(cdim, 3 * d)) * 0.5, rng.normal(size=3 * d) * 0.5
+    zero_w, zero_b = np.zeros((cdim, 3 * d)), np.zeros(3 * d)
     cases = [
-        Case("adaLN-Zero initialisation: the block must return x", (x, c, f, np.zeros((cdim, 3 * d)),
-                                                                    np.zeros(3 * d))),
+        Case("adaLN-Zero initialisation: the block must return x", (x, c, f, zero_w, zero_b)),
         Case("random modulation", (x, c, f, w, bias)),
-        Case("only the bias set (the condition is ignored)",
-             (x, c, f, np.zeros((cdim, 3 * d)), bias)),
+        Case("only the bias set (the condition is ignored)", (x, c, f, zero_w, bias)),
         Case("a large residual stream", (x * 50 + 3, c, f, w, bias)),
         Case("eps = 0.1 passed as a keyword", (x, c, f, w, bias), {"eps": 0.1}),
     ]
