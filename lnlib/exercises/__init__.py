@@ -18,7 +18,7 @@ True
 :func:`glue` records a value for the book's prose (MyST-NB's ``glue`` where it is
 installed, a plain display elsewhere, so notebooks also run in Colab).
 
-Chapter modules (``intro``, ``ch01``, ``ch02``, ``ch03``, ``ch05``) hold the checkers of
+Chapter modules (``intro``, ``ch01``, ``ch02``, ``ch03``, ``ch05``, ``ch06``) hold the checkers of
 each chapter and are imported on their own: ``from lnlib.exercises import intro``.
 """
 
