@@ -12,7 +12,9 @@ Bandwidth counts the bytes each pass must move: the forward reads x and writes y
 reads x and dy and writes dx (weights and per-row statistics are added too, though small).
 Each timing is a CUDA-event interval around ``--calls`` calls; the contenders alternate within
 every repeat and the median over repeats is reported. Every contender is checked against the
-other before it is timed. The JSON result is named after the GPU.
+other before it is timed. The JSON result is named after the GPU (``gpu_nvidia_h200.json``),
+in ``lnlib/data`` when run from the repository root (committed results), else in the current
+folder, or in ``--out-dir``.
 
 Derived in the book, chapter "Implementation", section "GPU kernels".
 """
@@ -31,7 +33,8 @@ import lnlib
 WIDTHS = (768, 1024, 2048, 4096, 8192, 16384, 65536)
 ELEMENTS = 1 << 27
 COPY_BYTES = 1 << 28
-DEFAULT_DIR = Path("benchmarks") / "results"
+#: Where the committed results live in the repository (``lnlib.data``); elsewhere: here.
+DEFAULT_DIR = Path("lnlib") / "data" if (Path("lnlib") / "data").is_dir() else Path()
 
 
 def _events(cp, fn, calls):
@@ -194,7 +197,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=15, help="interleaved repeats (median)")
     p.add_argument("--calls", type=int, default=5, help="calls per CUDA-event timing")
     p.add_argument("--out-dir", default=str(DEFAULT_DIR),
-                   help="folder of the JSON result, named after the GPU")
+                   help="folder of the JSON result, named after the GPU "
+                        "(default: lnlib/data in the repository, else the current folder)")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.calls < 1:
         p.error("--repeats and --calls: expected positive numbers")
