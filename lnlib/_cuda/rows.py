@@ -11,6 +11,7 @@ bitwise the same results (see ``lnlib/kernels/norms_cuda.cuh``).
 Derived in the book, chapter "Implementation", section "GPU kernels".
 """
 
+import functools
 import sys
 
 import numpy as np
@@ -20,8 +21,10 @@ from . import kernels
 _NULL = np.uintp(0)
 
 
+@functools.cache
 def available():
-    """``(usable, reason)``: CuPy importable and a CUDA GPU visible to it."""
+    """``(usable, reason)``: CuPy importable and a CUDA GPU visible to it (asked once: the
+    selection point calls this on every call with CuPy arrays)."""
     try:
         import cupy
     except ImportError as exc:
