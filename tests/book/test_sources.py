@@ -65,12 +65,29 @@ def test_notebook_follows_the_template(path):
 
 
 def notebook_extra() -> set[str]:
-    """Distributions lnlib[notebooks] installs directly (names normalised)."""
+    """Distributions lnlib[notebooks] installs, with their own dependencies (names normalised;
+    the closure is taken over the packages installed here)."""
     import tomllib
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = project["dependencies"] + project["optional-dependencies"]["notebooks"]
-    return {_normalise(re.split(r"[<>=!~\[ ;]", r)[0]) for r in reqs}
+    todo = [Requirement(r).name for r in
+            project["dependencies"] + project["optional-dependencies"]["notebooks"]]
+    found = set()
+    while todo:
+        name = _normalise(todo.pop())
+        if name in found:
+            continue
+        found.add(name)
+        try:
+            reqs = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        todo += [r.name for r in map(Requirement, reqs)
+                 if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return found
 
 
 def _normalise(name: str) -> str:
@@ -97,6 +114,16 @@ def test_setup_cell_installs_what_the_notebook_imports(path):
     assert not missing, (
         f"{path.name} imports {missing}, which lnlib[notebooks] does not install: add them to "
         "the notebooks extra in pyproject.toml (and `make lock`)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_reads_no_repository_file(path):
+    """In Colab only the .ipynb exists: a notebook may not open files of the repository (data
+    it needs ships in lnlib, e.g. lnlib.data.load_benchmark, or is computed)."""
+    nb = nbformat.read(path, as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    found = re.findall(r"""["'](?:\.\./|\./)[^"']*["']""", code)
+    assert not found, f"{path.name} refers to repository paths {found}: ship the data in lnlib"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
