@@ -10,9 +10,13 @@ from __future__ import annotations
 import sys
 
 import nbformat
-
-from notebook_template import (ROOT, SETUP_MARKER, needs_no_deps, repository_url,
-                               setup_cell_source)
+from notebook_template import (
+    ROOT,
+    SETUP_MARKER,
+    needs_no_deps,
+    repository_url,
+    setup_cell_source,
+)
 
 
 def main() -> int:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -225,7 +225,7 @@ def _run_case(user_fn: Callable, reference_fn: Callable, case: Case, rtol: float
             got = user_fn(*user_args, **user_kwargs)
         except case.raises:
             return None
-        except Exception as exc:  # the reader's error is reported, never raised
+        except Exception as exc:  # noqa: BLE001  the reader's error is reported, never raised
             return (f"raised {type(exc).__name__}: {exc}; expected "
                     f"{case.raises.__name__}")
         return f"returned {_describe(got)}; expected it to raise {case.raises.__name__}"
@@ -233,7 +233,7 @@ def _run_case(user_fn: Callable, reference_fn: Callable, case: Case, rtol: float
     expected = reference_fn(*copy.deepcopy(case.args), **copy.deepcopy(case.kwargs))
     try:
         got = user_fn(*user_args, **user_kwargs)
-    except Exception as exc:  # the reader's error is reported, never raised
+    except Exception as exc:  # noqa: BLE001  the reader's error is reported, never raised
         return f"raised {type(exc).__name__}: {exc}"
     changed = _modified_argument(case, user_args, user_kwargs)
     if changed is not None:

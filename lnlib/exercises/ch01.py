@@ -26,7 +26,8 @@ and the per-time-step statistics that recurrent BatchNorm needs.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,10 +36,10 @@ from ._core import Case, CheckResult, check
 
 __all__ = [
     "check_batch_normalize",
-    "check_pair_output",
-    "check_running_update",
     "check_fold_eval_batch_norm",
     "check_masked_step_stats",
+    "check_pair_output",
+    "check_running_update",
 ]
 
 
@@ -183,7 +184,7 @@ def check_fold_eval_batch_norm(fn: Callable[..., Any]) -> CheckResult:
 # ----------------------------------------- exercise: per-time-step statistics of padded sequences
 
 def _ref_masked_step_stats(a, lengths):
-    n, t, h = a.shape
+    _, t, h = a.shape
     mean, var = np.empty((t, h)), np.empty((t, h))
     for s in range(t):
         rows = a[lengths > s, s]  # (active, H): the sequences that have a step s

@@ -22,7 +22,8 @@ chapter derives the formulas (the backward pass section) and its notebook
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -30,14 +31,14 @@ from .. import reference
 from ._core import Case, CheckResult, Failure, check
 
 __all__ = [
+    "WORKED_EXAMPLE",
+    "check_backward",
+    "check_dgamma",
     "check_forward",
     "check_jacobian",
-    "check_dgamma",
-    "check_backward",
     "check_naive_failure",
     "one_pass_variance",
     "two_pass_variance",
-    "WORKED_EXAMPLE",
 ]
 
 #: The three 4-vectors of the worked example (one per row), float64.
@@ -114,7 +115,7 @@ def check_jacobian(fn: Callable[..., Any]) -> CheckResult:
 # ---------------------------------------------------- exercise: the gradients of gamma and beta
 
 def _ref_dgamma(dy, x, eps=1e-5):
-    y, mean, rstd = reference.layer_norm_forward(x, eps=eps)
+    _, mean, rstd = reference.layer_norm_forward(x, eps=eps)
     _, dweight, dbias = reference.layer_norm_backward(dy, x, mean, rstd, np.ones(x.shape[-1]))
     return dweight, dbias
 

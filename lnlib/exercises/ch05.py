@@ -20,7 +20,8 @@ The book derives each of them in Chapter 5.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -30,12 +31,12 @@ from ..recompute import layer_norm_backward_from_output
 from ._core import Case, CheckResult, check
 
 __all__ = [
-    "check_merge",
-    "check_welford",
     "check_backward_from_output",
+    "check_lane_sum",
+    "check_merge",
     "check_min_time",
     "check_sharded_rms_rstd",
-    "check_lane_sum",
+    "check_welford",
 ]
 
 

@@ -63,7 +63,7 @@ def run_chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProces
             "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=127.0.0.1",
             *args,
         ]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,9 @@ many as the page has math, and no MathJax error.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -29,7 +29,7 @@ def test_every_local_image_and_script_exists(html_dir):
     for page in pages(html_dir):
         for ref in re.findall(r'<(?:img|script)[^>]*\ssrc="([^"]+)"', page.read_text()):
             url = urlparse(ref)
-            if url.scheme or ref.startswith("//") or ref.startswith("data:"):
+            if url.scheme or ref.startswith(("//", "data:")):
                 continue
             if not (page.parent / unquote(url.path)).resolve().exists():
                 missing.append(f"{page.relative_to(html_dir)}: {ref}")

@@ -14,8 +14,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from notebook_template import (  # noqa: E402
-    SETUP_MARKER, needs_no_deps, no_deps_packages, repository_url, setup_cell_source)
+from notebook_template import (
+    SETUP_MARKER,
+    needs_no_deps,
+    no_deps_packages,
+    repository_url,
+    setup_cell_source,
+)
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PAGES = sorted((ROOT / "book").glob("*.md"))
