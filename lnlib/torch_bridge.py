@@ -369,8 +369,8 @@ class RMSNorm(nn.Module):
 
 # ------------------------------------------------------------- GroupNorm and Dynamic Tanh
 
-__all__ += ["GroupNormFunction", "DynamicTanhFunction", "group_norm", "dynamic_tanh",
-            "GroupNorm", "DynamicTanh"]
+__all__ += ["DynamicTanh", "DynamicTanhFunction", "GroupNorm", "GroupNormFunction",
+            "dynamic_tanh", "group_norm"]
 
 
 def _stat_tensor(a):

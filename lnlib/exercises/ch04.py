@@ -23,7 +23,8 @@ are the book's :math:`\gamma` and :math:`\beta`. The chapter's notebook
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -31,12 +32,12 @@ from .. import reference
 from ._core import Case, CheckResult, check
 
 __all__ = [
+    "check_dynamic_tanh_backward",
+    "check_group_norm",
+    "check_partial_rms_norm",
     "check_rms_norm",
     "check_rms_norm_backward",
-    "check_partial_rms_norm",
     "check_scale_norm",
-    "check_group_norm",
-    "check_dynamic_tanh_backward",
     "partial_rms_norm",
     "scale_norm",
 ]
