@@ -35,8 +35,10 @@ __all__ = ["PASSES", "available", "info", "layer_norm_backward_rows", "layer_nor
 
 #: The passes each kernel makes over one row, in order: the arrays read and written (arrays of
 #: length D; ``dweight``/``dbias`` are the row block's float64 column sums, which stay in
-#: cache) and what the pass computes. Only the first pass reads the row from memory; the
-#: others find it in cache. ``tests/test_cpu_kernels.py`` checks this against the C source.
+#: cache) and what the pass computes. A pass that computes two sums runs two loops over each
+#: block of 256 elements while the block is in L1 cache. When a row fits in the core's cache
+#: (a few hundred KiB), only the first pass reads it from memory. ``tests/test_cpu_kernels.py``
+#: checks this list against the C source.
 PASSES = {
     "layer_norm_forward": (
         {"reads": ("x",), "writes": (), "computes": "mean0 = sum(x) / D"},
