@@ -72,8 +72,8 @@ def _forward_args(x, running_mean, running_var, weight, bias, training, momentum
         raise ValueError("running_mean and running_var must both be arrays or both be None")
     if training:
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) \
-                or not math.isfinite(momentum) or not 0 <= momentum <= 1:
-            raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
+                or not 0 <= momentum <= 1 or not math.isfinite(momentum):
+            raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r:.40}")
         if x.size // channels < 2:
             raise ValueError("batch_norm in training needs more than one value per channel, "
                              f"got x of shape {x.shape}")

@@ -169,34 +169,41 @@ def shard_bounds(H, world_size, rank):
 _DTYPE_CODES = {"float16": 16, "float32": 32, "float64": 64}
 
 
-def _agree(x, group, what):
-    """Exchange (rows, width, dtype) of every rank's shard before any collective on data.
+def _agree(x, group, what, dy=None):
+    """Exchange (ndim, rows, width, dtype) of every rank's shard before any collective on data.
 
     Every rank receives the same table, so when the ranks disagree on the number of rows or
-    on the dtype, all of them raise the same ``ValueError``, naming the mismatch, instead of
-    letting a collective on mismatched buffers abort one process or mix up rows.
+    on the dtype, or one of them has a bad shape, all of them raise the same ``ValueError``,
+    naming the mismatch, instead of letting a collective on mismatched buffers abort one
+    process, mix up rows, or wait forever for a rank that failed alone.
 
     Returns the list of shard widths, in rank order.
     """
     import torch
 
-    if x.ndim != 2:
-        raise ValueError(f"{what}: expected a 2-D (N, h) tensor, got shape {tuple(x.shape)}")
+    rows, width = (x.shape[0], x.shape[1]) if x.ndim == 2 else (-1, -1)
+    dy_ok = dy is None or tuple(dy.shape) == tuple(x.shape)
     code = _DTYPE_CODES.get(str(x.dtype).removeprefix("torch."), 0)
-    local = torch.tensor([[x.shape[0], x.shape[1], code]], dtype=torch.int64)
+    local = torch.tensor([[x.ndim, rows, width, code, int(dy_ok)]], dtype=torch.int64)
     table = [[int(v) for v in t[0]] for t in _gather_rows(local, group)]
-    rows = [t[0] for t in table]
-    dtypes = [t[2] for t in table]
+
+    def ranks(col, name=lambda v: v):
+        return ", ".join(f"rank {r}: {name(t[col])}" for r, t in enumerate(table))
+
     names = {16: "float16", 32: "float32", 64: "float64", 0: "another dtype"}
-    if len(set(rows)) > 1:
-        raise ValueError(f"{what}: the ranks hold different numbers of rows "
-                         f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(rows))}); "
+    if any(t[0] != 2 for t in table):
+        raise ValueError(f"{what}: every rank must pass a 2-D (N, h) tensor; dimensions "
+                         f"({ranks(0)})")
+    if not all(t[4] for t in table):
+        raise ValueError(f"dy: must have the shape of x on every rank; it differs on rank(s) "
+                         f"{[r for r, t in enumerate(table) if not t[4]]}")
+    if len({t[1] for t in table}) > 1:
+        raise ValueError(f"{what}: the ranks hold different numbers of rows ({ranks(1)}); "
                          "every rank must hold the same rows, split by columns")
-    if len(set(dtypes)) > 1:
-        raise ValueError(f"{what}: the ranks hold different dtypes "
-                         f"({', '.join(f'rank {r}: {names[d]}' for r, d in enumerate(dtypes))})"
-                         "; every rank must use one dtype")
-    return [t[1] for t in table]
+    if len({t[3] for t in table}) > 1:
+        raise ValueError(f"{what}: the ranks hold different dtypes ({ranks(3, names.get)}); "
+                         "every rank must use one dtype")
+    return [t[2] for t in table]
 
 
 def _gather_rows(local, group):
@@ -279,9 +286,7 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
     """
     import torch
 
-    if tuple(dy.shape) != tuple(x.shape):
-        raise ValueError(f"dy: expected the shape of x {tuple(x.shape)}, got {tuple(dy.shape)}")
-    H = sum(_agree(x, group, "x"))
+    H = sum(_agree(x, group, "x", dy=dy))
     xn = x.detach().cpu().numpy()
     acc = accumulation_dtype(xn.dtype)
     dyn = dy.detach().cpu().numpy().astype(acc, copy=False)  # (N, h)
@@ -373,6 +378,7 @@ def _mismatch_worker(rank, world_size, port, outdir, timeout_s):
     cases = {  # (rows, dtype) of this rank's x: rank 1 differs
         "rows": ((4 + rank, 3), torch.float64),
         "dtype": ((4, 3), torch.float32 if rank else torch.float64),
+        "ndim": ((4, 3) if rank == 0 else (12,), torch.float64),
     }
     try:
         for name, (shape, dtype) in cases.items():

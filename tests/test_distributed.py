@@ -100,7 +100,8 @@ def test_sharded_equals_single_process(world_size, H, tmp_path):
 
 def test_mismatched_ranks_raise_clear_errors_on_every_rank(tmp_path):
     """Issue 8: different row counts or dtypes aborted one rank (SIGABRT in gloo) and gave
-    another wrong statistics; now every rank raises a ValueError naming the mismatch."""
+    another wrong statistics; now every rank raises a ValueError naming the mismatch (also
+    when only one rank has a bad shape, which left the others waiting)."""
     from lnlib.distributed import run_mismatched
 
     results = run_mismatched(2, tmp_path, timeout_s=60.0)
@@ -108,3 +109,4 @@ def test_mismatched_ranks_raise_clear_errors_on_every_rank(tmp_path):
         for call in ("forward", "backward"):
             assert "different numbers of rows (rank 0: 4, rank 1: 5)" in errors[f"rows-{call}"]
             assert "different dtypes (rank 0: float64, rank 1: float32)" in errors[f"dtype-{call}"]
+            assert "2-D (N, h) tensor; dimensions (rank 0: 2, rank 1: 1)" in errors[f"ndim-{call}"]

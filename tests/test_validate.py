@@ -179,6 +179,8 @@ def test_errors_name_the_argument_for_odd_values():
     for bad, kind in (((-1,), ValueError), (8, TypeError), ((2, 5), ValueError)):
         with pytest.raises(kind, match="shift_shape"):
             lnlib.ada_layer_norm_backward(X, X, mean, rstd, scale, shift_shape=bad)
+    with pytest.raises(ValueError, match="momentum must be a number in"):
+        lnlib.batch_norm(X, None, None, training=True, momentum=10**400)
     with pytest.raises(ValueError, match="doutputs must be a non-empty sequence"):
         lnlib.adaln_modulation_backward([], np.ones((2, 3)), np.ones((3, 6)))
 
