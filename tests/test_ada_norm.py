@@ -144,3 +144,16 @@ def test_memory_at_most_twice_the_input(rng, dtype):
     bwd = peak_bytes(lnlib.ada_layer_norm_backward, dy, x, mean, rstd, scale)
     assert fwd <= 2 * x.nbytes, f"forward held {fwd / x.nbytes:.2f}x the input"
     assert bwd <= 2 * x.nbytes, f"backward held {bwd / x.nbytes:.2f}x the input"
+
+
+def test_float16_statistics_do_not_lower_the_backward_precision(rng):
+    """Issue 8: statistics saved in float16 must not turn a float32 backward into float16."""
+    x = rng.standard_normal((4096, 8)).astype(np.float32)
+    dy = (np.abs(rng.standard_normal(x.shape)) * 30).astype(np.float32)  # dshift ~ 1e5
+    scale = np.zeros(8, np.float32)
+    _, mean, rstd = lnlib.ada_layer_norm_forward(x, scale, scale)
+    want = lnlib.ada_layer_norm_backward(dy, x, mean, rstd, scale)
+    got = lnlib.ada_layer_norm_backward(dy, x, mean.astype(np.float16), rstd.astype(np.float16),
+                                        scale)
+    assert all(g.dtype == np.float32 and np.all(np.isfinite(g)) for g in got)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
