@@ -22,7 +22,9 @@ Covered in the book, chapter "Implementation", section "A compiled kernel".
 
 import importlib
 import importlib.util
+import os
 import struct
+import sys
 import threading
 import warnings
 
@@ -70,6 +72,7 @@ _CTYPES = {np.dtype(np.float32): ("float", "f32"), np.dtype(np.float64): ("doubl
 _CDECL = {dtype: f"{ctype}[]" for dtype, (ctype, _) in _CTYPES.items()}
 _FILLED = {}  # read-only ones and zeros for absent parameters, by (D, dtype, value)
 _FUNCTIONS = [f"{op}_{suffix}" for op in PASSES for suffix in ("f32", "f64")]
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _lock = threading.Lock()
 _state = {"module": None, "loaded": False, "reason": "not loaded yet", "path": None}
 
@@ -133,8 +136,17 @@ def _module():
                 if module is None:
                     warnings.warn(f"lnlib: the compiled CPU kernel is not available: {reason}; "
                                   "using the NumPy path (reinstall lnlib where a C compiler "
-                                  "exists to get it)", RuntimeWarning, stacklevel=4)
+                                  "exists to get it)", RuntimeWarning,
+                                  stacklevel=_caller_level())
     return _state["module"]
+
+
+def _caller_level():
+    """The ``stacklevel`` of the first frame outside lnlib: a warning points at the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def info():
