@@ -33,13 +33,20 @@
 
 enum { LANES = 16, BLOCK = 256 };
 
-/* Function multi-versioning (GCC or Clang on x86-64 Linux); flatten inlines the helpers so
- * that they are compiled for each width too. -DNORMS_NO_CLONES builds one version only. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(NORMS_NO_CLONES)
+/* Function multi-versioning where the compiler has it and the C library can pick a version
+ * at load time (ifunc: glibc on x86-64); flatten inlines the helpers so that they are compiled
+ * for each width too. -DNORMS_NO_CLONES builds one version only. */
+#if defined(__has_attribute) && defined(__x86_64__) && defined(__GLIBC__)
+#if __has_attribute(target_clones) && !defined(NORMS_NO_CLONES)
 #define NORMS_CLONES 1
+#endif
+#endif
+#ifndef NORMS_CLONES
+#define NORMS_CLONES 0
+#endif
+#if NORMS_CLONES
 #define NORMS_KERNEL __attribute__((target_clones("avx512f", "avx2", "default"), flatten))
 #else
-#define NORMS_CLONES 0
 #define NORMS_KERNEL
 #endif
 
