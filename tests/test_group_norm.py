@@ -220,3 +220,23 @@ def test_torch_bridge_gradcheck_and_module(rng):
     theirs(xt).square().sum().backward()
     torch.testing.assert_close(xf.grad, xt.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-4, atol=1e-4)
+
+
+@given(n=st.integers(1, 6), groups=st.sampled_from([1, 2, 3]), per=st.integers(1, 3),
+       spatial=st.lists(st.integers(1, 5), max_size=2), seed=st.integers(0, 1000),
+       dtype=st.sampled_from(DTYPES))
+def test_one_sample_is_the_same_in_any_batch(n, groups, per, spatial, seed, dtype):
+    """The book's batch-independence claim: a sample's output (and its dx) are bitwise the
+    same whatever other samples share its batch."""
+    r = np.random.default_rng(seed)
+    shape = (n, groups * per, *spatial)
+    x = (3 * r.standard_normal(shape) + 1).astype(dtype)
+    dy = r.standard_normal(shape).astype(dtype)
+    w = r.standard_normal(shape[1]).astype(dtype)
+    i = int(r.integers(n))
+    y, mean, rstd = lnlib.group_norm_forward(x, groups, w, w)
+    dx = lnlib.group_norm_backward(dy, x, mean, rstd, groups, w)[0]
+    y1, m1, r1 = lnlib.group_norm_forward(x[i:i + 1], groups, w, w)
+    np.testing.assert_array_equal(y1[0], y[i])
+    np.testing.assert_array_equal(
+        lnlib.group_norm_backward(dy[i:i + 1], x[i:i + 1], m1, r1, groups, w)[0][0], dx[i])
