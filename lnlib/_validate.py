@@ -26,6 +26,9 @@ def float_array(a, name, xp):
         except Exception as exc:  # noqa: BLE001 - any failure means "not an array"
             raise TypeError(f"{name} must be a floating-point array, "
                             f"got {type(a).__name__}") from exc
+    if a.dtype.kind == "f" and not a.dtype.isnative and a.dtype.newbyteorder("=") in _FLOATS:
+        # Data in the other byte order (read from a file, say): the same values, converted.
+        return a.astype(a.dtype.newbyteorder("="))
     if a.dtype not in _FLOATS:
         raise TypeError(
             f"{name} must have a floating dtype (float16, float32 or float64), got {a.dtype}"

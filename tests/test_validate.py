@@ -239,3 +239,14 @@ def test_show_config_prints_and_returns(capsys):
     for name, row in config["implementations"].items():
         assert name in printed and row["reason"]
     assert config["implementations"]["numpy"]["available"]
+
+
+def test_other_byte_order_is_read_as_its_values():
+    """Arrays in the non-native byte order (as read from a file) are floats too: same result."""
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    swapped = x.astype(x.dtype.newbyteorder())
+    before = swapped.copy()
+    np.testing.assert_array_equal(lnlib.layer_norm(swapped), lnlib.layer_norm(x))
+    np.testing.assert_array_equal(lnlib.rms_norm(swapped), lnlib.rms_norm(x))
+    np.testing.assert_array_equal(swapped, before)
+    assert swapped.dtype == before.dtype
