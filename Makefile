@@ -35,7 +35,7 @@ book: env
 	@echo "The book is in _build/html. Open: file://$(CURDIR)/_build/html/index.html"
 
 # Chromium first: a missing browser stops the run before the long steps, with one line.
-test: env
+test: chromium env
 	$(MAKE) --no-print-directory chromium unit nbval nbval-avx2 nbval-1thread book browser-test
 
 unit: env
