@@ -85,7 +85,7 @@ static void pairwise_add(struct pairwise *s, double v)
 static double pairwise_total(const struct pairwise *s)
 {
     double total = 0;
-    for (int k = 0; k < 64; k++)
+    for (int k = 0; (s->count >> k) != 0; k++)
         if ((s->count >> k) & 1)
             total = s->level[k] + total;
     return total;
