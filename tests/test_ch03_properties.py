@@ -6,7 +6,8 @@ the compiled CPU kernel and with the NumPy fast path (the ``cpu_path`` fixture).
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 import lnlib
 

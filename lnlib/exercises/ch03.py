@@ -23,7 +23,8 @@ batch-dependent reduction the chapter's section on batch invariance starts from.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -31,14 +32,14 @@ from .. import reference
 from ._core import Case, CheckResult, Failure, check
 
 __all__ = [
+    "SHIFT_EXAMPLE",
+    "check_batch_invariant_sum",
     "check_invariant_shift",
     "check_jacobian_spectrum",
-    "check_weight_grad",
     "check_next_sq_norm",
     "check_selectable_keys",
-    "check_batch_invariant_sum",
+    "check_weight_grad",
     "split_row_sum",
-    "SHIFT_EXAMPLE",
 ]
 
 #: The vector x of the shift exercise: the first vector of chapter 2's worked example.
@@ -283,7 +284,7 @@ def check_batch_invariant_sum(fn: Callable[..., Any]) -> CheckResult:
 def _call_sum(fn, x):
     try:
         got = fn(x.copy())
-    except Exception as exc:  # the reader's error is reported, never raised
+    except Exception as exc:  # noqa: BLE001  the reader's error is reported, never raised
         return None, f"raised {type(exc).__name__}: {exc}"
     if not isinstance(got, np.ndarray) or got.shape != x.shape[:1] or got.dtype != np.float32:
         what = (f"{got.dtype} of shape {got.shape}" if isinstance(got, np.ndarray)
