@@ -104,6 +104,16 @@ static void FN(row_sums_dev)(const T *x, ptrdiff_t n, T shift, double *sum_d, do
     *sum_dd = pairwise_total(&s_dd);
 }
 
+/* Sum of g[i] (x[i] - shift) over a row, g = dy weight. */
+static double FN(row_sum_gxc)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift)
+{
+    struct pairwise s;
+    s.count = 0;
+    for (ptrdiff_t i = 0; i < n; i += BLOCK)
+        pairwise_add(&s, FN(block_sum_gxc)(dy + i, weight + i, x + i, block_len(i, n), shift));
+    return pairwise_total(&s);
+}
+
 /* Sums of g[i] = dy[i] weight[i] and of g[i] (x[i] - shift) over a row, in one pass. */
 static void FN(row_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift,
                            double *sum_g, double *sum_gxc)
@@ -172,9 +182,7 @@ static void FN(rms_norm_forward_row)(const T *x, const T *weight, T *y, T *rstd,
 static void FN(rms_norm_backward_row)(const T *dy, const T *x, T rstd, const T *weight, T *dx,
                                       double *dweight, ptrdiff_t n)
 {
-    double sum_g, sum_gx;
-    FN(row_sums_g)(dy, weight, x, n, 0, &sum_g, &sum_gx);
-    T mean_gxhat = (T)(sum_gx * rstd / n);
+    T mean_gxhat = (T)(FN(row_sum_gxc)(dy, weight, x, n, 0) * rstd / n);
     for (ptrdiff_t i = 0; i < n; i++) {
         T xhat = x[i] * rstd;
         dx[i] = rstd * (dy[i] * weight[i] - xhat * mean_gxhat);
