@@ -267,7 +267,8 @@ def use_implementation(name):
     -----
     The setting is per thread (a :mod:`contextvars` variable) and nests. Every
     implementation computes the same quantities and is tested against the reference; they
-    differ in speed and in the last bits. Chapter 5 of the book compares them.
+    differ in speed and in the last bits. Covered in :ref:`sec-ch05-performance`, which
+    compares them.
 
     Examples
     --------
@@ -303,6 +304,7 @@ def show_config(*, file=None):
     Notes
     -----
     Asking about the kernel may compile it (once). See :func:`use_implementation`.
+    Covered in :ref:`sec-ch05-performance`.
     """
     config = {"forced": _forced.get(), "implementations": {}}
     for impl in _REGISTRY.values():

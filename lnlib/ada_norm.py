@@ -31,7 +31,37 @@ __all__ = [
 def ada_layer_norm(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
     r"""AdaLN of ``x``: ``LN(x) * (1 + scale) + shift``; returns ``y`` only.
 
-    Same as ``ada_layer_norm_forward(...)[0]``; see :func:`ada_layer_norm_forward`.
+    .. math::
+
+        y = \hat{x}\,(1 + \mathrm{scale}) + \mathrm{shift}, \qquad
+        \hat{x} = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} .
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        Input, normalized over its last ``normalized_ndim`` axes; never modified.
+    shift, scale : ndarray, floating
+        Broadcast against ``x`` without enlarging it, e.g. ``(B, 1, D)`` for ``x`` of shape
+        ``(B, T, D)``; usually from :func:`adaln_modulation`.
+    eps : float, default 1e-6
+        Added to the variance inside the square root; finite and >= 0.
+    normalized_ndim : int, default 1
+        How many trailing axes to normalize over.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The modulated, normalized input.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`ada_layer_norm_forward`, before anything is computed.
+
+    Notes
+    -----
+    Same as ``ada_layer_norm_forward(...)[0]``. Covered in :doc:`/book/04_variants`, section
+    "Conditioning through the norm".
     """
     return ada_layer_norm_forward(x, shift, scale, eps=eps, normalized_ndim=normalized_ndim)[0]
 
@@ -59,18 +89,22 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
     Parameters
     ----------
     x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
-    shift, scale : ndarray
+        Input, normalized over its last ``normalized_ndim`` axes; never modified.
+    shift, scale : ndarray, floating
         Broadcast against ``x`` without enlarging it: ``(B, D)`` for ``x`` of shape
         ``(B, D)``, ``(B, 1, D)`` for ``(B, T, D)`` (one modulation per sample), or anything
         else that broadcasts. Usually the output of :func:`adaln_modulation`.
     eps : float, default 1e-6
-        As in DiT.
+        Added to the variance inside the square root (1e-6 as in DiT); finite and >= 0.
     normalized_ndim : int, default 1
+        How many trailing axes to normalize over.
 
     Returns
     -------
     y : ndarray, shape and dtype of ``x``
+        The modulated, normalized input.
     mean, rstd : ndarray, shape ``lead``, float32 (float64 for float64 ``x``)
+        :math:`\mu` and :math:`r` of each row, for :func:`ada_layer_norm_backward`.
 
     Raises
     ------
@@ -82,7 +116,7 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
 
     Notes
     -----
-    Covered in the book, chapter "Variants", section on adaptive normalization.
+    Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
 
     References
     ----------
@@ -115,17 +149,25 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     Parameters
     ----------
     dy : ndarray, shape of ``x``
-    x : ndarray, the forward input
-    mean, rstd : ndarray, as returned by :func:`ada_layer_norm_forward`
-    scale : ndarray, the forward ``scale``
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        The forward input.
+    mean, rstd : ndarray, shape ``lead``
+        As returned by :func:`ada_layer_norm_forward`; ``x.ndim - mean.ndim`` axes are
+        normalized.
+    scale : ndarray
+        The forward ``scale`` (broadcast against ``x``).
     shift_shape : tuple, optional
         Shape of the forward ``shift`` if it differs from that of ``scale``.
 
     Returns
     -------
     dx : ndarray, shape and dtype of ``x``
+        Gradient of the loss with respect to ``x``.
     dshift : ndarray, shape ``shift_shape`` (default ``scale.shape``), dtype of ``scale``
+        Gradient with respect to ``shift``, summed over the broadcast axes.
     dscale : ndarray, shape and dtype of ``scale``
+        Gradient with respect to ``scale``, summed over the broadcast axes.
 
     Raises
     ------
@@ -137,7 +179,8 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     -----
     Runs on the LayerNorm row implementation chosen by :func:`lnlib.use_implementation`,
     block by block, so the temporaries stay small; accumulated in float32 for float16/float32
-    ``x`` (float64 for float64), whatever the dtype of ``mean`` and ``rstd``.
+    ``x`` (float64 for float64), whatever the dtype of ``mean`` and ``rstd``. Covered in
+    :doc:`/book/04_variants`, section "Conditioning through the norm".
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, scale=scale)
     dy, x, (mean, rstd), k = check.backward_inputs(dy, x, xp, mean=mean, rstd=rstd)
@@ -207,7 +250,9 @@ def adaln_modulation(c, weight, bias, *, chunks=3):
     c : ndarray, shape ``(B, C)``
         Conditioning vectors (e.g. time-step plus class embedding), floating.
     weight : ndarray, shape ``(C, chunks * D)``
+        Weight :math:`W` of the linear map (zeros for adaLN-Zero).
     bias : ndarray, shape ``(chunks * D,)``
+        Its bias :math:`b`.
     chunks : int, default 3
         3 gives ``(shift, scale, gate)``; DiT uses 6 (two sets, for attention and MLP).
 
@@ -221,7 +266,16 @@ def adaln_modulation(c, weight, bias, *, chunks=3):
     TypeError
         A non-floating array, or arrays from different array libraries.
     ValueError
-        ``c`` not 2-d; ``weight`` not ``(C, chunks * D)``; ``bias`` not ``(chunks * D,)``.
+        ``c`` not 2-d; ``weight`` not ``(C, chunks * D)``; ``bias`` not ``(chunks * D,)``;
+        ``chunks`` not a positive int.
+
+    Notes
+    -----
+    .. math::
+
+        (\mathrm{shift}, \mathrm{scale}, \mathrm{gate}) = \mathrm{SiLU}(c)\,W + b .
+
+    Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
     """
     xp = get_array_module(c=c, weight=weight, bias=bias)
     c, weight, bias = _modulation_inputs(c, weight, bias, chunks, xp)
@@ -243,8 +297,26 @@ def adaln_modulation_backward(doutputs, c, weight):
     Returns
     -------
     dc : ndarray, shape ``(B, C)``
+        Gradient with respect to ``c``.
     dweight : ndarray, shape ``(C, chunks * D)``
+        Gradient with respect to ``weight``.
     dbias : ndarray, shape ``(chunks * D,)``
+        Gradient with respect to the bias.
+
+    Raises
+    ------
+    TypeError
+        A non-floating array, or arrays from different array libraries.
+    ValueError
+        ``doutputs`` empty or not a sequence; an entry not of shape ``(B, D)``; ``c`` or
+        ``weight`` of the wrong shape.
+
+    Notes
+    -----
+    With :math:`h = \mathrm{SiLU}(c)` and :math:`g` the concatenated ``doutputs``:
+    :math:`dW = h^\top g`, :math:`db = \sum_b g`, :math:`dc = (g W^\top) \odot
+    \mathrm{SiLU}'(c)`. Covered in :doc:`/book/04_variants`, section "Conditioning through
+    the norm".
     """
     xp = get_array_module(c=c, weight=weight)
     c = check.float_array(c, "c", xp)
@@ -274,8 +346,45 @@ def adaln_modulation_backward(doutputs, c, weight):
 
 
 def adaln_zero_init(cond_dim, dim, *, chunks=3, dtype=np.float32):
-    """The adaLN-Zero initialisation: ``weight`` of zeros ``(cond_dim, chunks * dim)`` and
-    ``bias`` of zeros ``(chunks * dim,)``."""
+    r"""The adaLN-Zero initialisation of :func:`adaln_modulation`: a weight and a bias of zeros.
+
+    With both zero, shift, scale and gate are zero for any ``c``: the block's LayerNorm has
+    no affine map and its gated residual branch is switched off, so every block starts as
+    the identity.
+
+    Parameters
+    ----------
+    cond_dim : int
+        C, the size of the conditioning vector.
+    dim : int
+        D, the number of features modulated.
+    chunks : int, default 3
+        Keyword only; the number of modulation outputs (3: shift, scale, gate; DiT uses 6).
+    dtype : dtype, default float32
+        Keyword only; dtype of both arrays.
+
+    Returns
+    -------
+    weight : numpy.ndarray, shape ``(cond_dim, chunks * dim)``
+        Zeros.
+    bias : numpy.ndarray, shape ``(chunks * dim,)``
+        Zeros.
+
+    Raises
+    ------
+    ValueError, TypeError
+        From NumPy, for a negative size or a dtype it does not know.
+
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "Conditioning through the norm", and
+    trained in :doc:`/book/06_applications`, section "Conditioning through the norm:
+    diffusion".
+
+    References
+    ----------
+    .. [1] W. Peebles and S. Xie, "Scalable Diffusion Models with Transformers", ICCV 2023.
+    """
     return np.zeros((cond_dim, chunks * dim), dtype=dtype), np.zeros(chunks * dim, dtype=dtype)
 
 

@@ -16,7 +16,42 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, *, training
                momentum=0.1, eps=1e-5):
     r"""Batch normalization of ``x`` (N, C, ...); returns ``y`` only.
 
-    Same as ``batch_norm_forward(...)[0]``; see :func:`batch_norm_forward`.
+    .. math::
+
+        y = \frac{x - \mu_c}{\sqrt{\sigma_c^2 + \epsilon}}\,\gamma_c + \beta_c,
+
+    with the batch statistics of channel :math:`c` in training (and the running statistics
+    updated in place) or the running statistics in evaluation.
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+        Input; each channel is normalized over every axis but axis 1. Never modified.
+    running_mean, running_var : ndarray of shape ``(C,)``, or None
+        Running statistics, updated in place in training; required in evaluation.
+    weight, bias : ndarray of shape ``(C,)``, optional
+        Per-channel gain :math:`\gamma` and bias :math:`\beta` (default 1 and 0).
+    training : bool
+        Keyword only, required: batch statistics (True) or running statistics (False).
+    momentum : float, default 0.1
+        Weight :math:`m` of the batch statistics in the running average, in [0, 1].
+    eps : float, default 1e-5
+        Added to the variance inside the square root; finite and >= 0.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The normalized input.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`batch_norm_forward`, before anything is computed or updated.
+
+    Notes
+    -----
+    Same as ``batch_norm_forward(...)[0]``. Covered in :ref:`sec-ch01-batch-norm` and
+    :ref:`sec-ch01-train-eval`.
     """
     return batch_norm_forward(x, running_mean, running_var, weight, bias, training=training,
                               momentum=momentum, eps=eps)[0]
@@ -122,18 +157,22 @@ def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, 
     Parameters
     ----------
     x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+        Input; each channel is normalized over every axis but axis 1. Never modified.
     running_mean, running_var : ndarray of shape ``(C,)``, or None
-        Updated in place in training (may be None there: no update); required in evaluation.
+        Running statistics, updated in place in training (None there: no update); required in evaluation.
     weight, bias : ndarray of shape ``(C,)``, optional
+        Per-channel gain :math:`\gamma` and bias :math:`\beta` (default 1 and 0).
     training : bool
-        Batch statistics (True) or running statistics (False). Keyword only, required.
+        Keyword only, required: batch statistics (True) or running statistics (False).
     momentum : float, default 0.1
-        In [0, 1].
+        Weight :math:`m` of the batch statistics in the running average, in [0, 1].
     eps : float, default 1e-5
+        Added to the variance inside the square root; finite and >= 0.
 
     Returns
     -------
     y : ndarray, shape and dtype of ``x``
+        The normalized input.
     mean, rstd : ndarray, shape ``(C,)``
         The statistics used (batch or running), float32 (float64 for float64 ``x``).
 
@@ -152,7 +191,8 @@ def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, 
     -----
     The statistics are a corrected two-pass over fixed blocks of the input, each block summed
     in float64: as accurate for ``(N, C)`` as for ``(1, C, N)`` input, and the temporaries stay
-    a few blocks in size. Compared with LayerNorm in the book, chapter "Motivation".
+    a few blocks in size. Covered in :ref:`sec-ch01-batch-norm` and
+    :ref:`sec-ch01-train-eval`, where it is compared with LayerNorm.
 
     References
     ----------
@@ -204,9 +244,13 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     Parameters
     ----------
     dy : ndarray, shape of ``x``
-    x : ndarray, shape ``(N, C, ...)``
-    mean, rstd : ndarray, shape ``(C,)``, as returned by :func:`batch_norm_forward`
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+        The forward input.
+    mean, rstd : ndarray, shape ``(C,)``
+        As returned by :func:`batch_norm_forward`.
     weight : ndarray of shape ``(C,)``, optional
+        The forward gain; ``None`` means ones.
     training : bool, default True
         Whether the forward pass used batch statistics (then the gradient also flows through
         them) or running statistics (constants).
@@ -214,7 +258,9 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     Returns
     -------
     dx : ndarray, shape and dtype of ``x``
+        Gradient of the loss with respect to ``x``.
     dweight, dbias : ndarray, shape ``(C,)``, dtype of ``weight`` (of ``x`` if None)
+        Gradients with respect to the per-channel gain and bias.
 
     Raises
     ------
@@ -226,6 +272,8 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     -----
     Accumulated in float32 for float16/float32 ``x`` (float64 for float64), whatever the dtype
     of ``mean`` and ``rstd``; the parameter gradients are summed per block in float64.
+    Covered in :ref:`sec-ch01-batch-norm`; the training formula is LayerNorm's backward
+    (:ref:`sec-ch02-backward`) with the means taken over a channel instead of a row.
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
     dy, x, mean, rstd, weight = _backward_args(dy, x, mean, rstd, weight, xp)

@@ -73,8 +73,8 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
 
     Notes
     -----
-    Elementwise, so bitwise batch invariant. Covered in the book, chapter "Variants",
-    section "Without normalization".
+    Elementwise, so bitwise batch invariant. Covered in :doc:`/book/04_variants`, section
+    "Without normalization: Dynamic Tanh".
 
     References
     ----------
@@ -108,14 +108,18 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     dy : ndarray, shape of ``x``
         Gradient of the loss with respect to ``y``.
     x : ndarray, float16, float32 or float64, shape ``(..., D)``
+        The forward input.
     alpha : float or 0-d floating ndarray
+        The forward :math:`\alpha`.
     weight : ndarray of shape (D,), optional
         The forward gain; ``None`` means ones.
 
     Returns
     -------
     dx : ndarray, shape and dtype of ``x``
+        Gradient of the loss with respect to ``x``.
     dalpha : 0-d ndarray
+        Gradient with respect to :math:`\alpha`.
         Dtype of ``alpha`` when it is an array, else of ``x``.
     dweight, dbias : ndarray, shape (D,)
         Dtype of ``weight``, or of ``x`` when ``weight`` is None (then the gradients with
@@ -129,7 +133,7 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     Notes
     -----
     The sums over rows are taken per row along the last axis, then over rows in float64.
-    Derived in the book, chapter "Variants", section "Without normalization".
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
     """
     xp, x, a, weight, _ = _inputs(x, alpha, weight, dy=dy)
     dy = check.float_array(dy, "dy", xp)

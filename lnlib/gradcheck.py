@@ -32,7 +32,18 @@ def numerical_grad(f, x, dy, *, h=1e-6):
 
     Returns
     -------
-    ndarray, float64, shape of ``x``
+    grad : ndarray, float64, shape of ``x``
+        :math:`(L(x + h e_i) - L(x - h e_i)) / 2h` for every element :math:`i`.
+
+    Raises
+    ------
+    ValueError
+        ``h`` not > 0.
+
+    Notes
+    -----
+    Two calls of ``f`` per element of ``x``: for small arrays. Covered in
+    :ref:`sec-ch02-backward`, where the backward pass is checked this way.
     """
     if not h > 0:
         raise ValueError(f"h must be > 0, got {h}")
@@ -52,11 +63,42 @@ def numerical_grad(f, x, dy, *, h=1e-6):
 
 
 def check_grad(f, x, dy, analytic, *, h=1e-6, rtol=1e-6, atol=1e-9, name="dx"):
-    """Compare an analytic gradient with :func:`numerical_grad`; raise if they disagree.
+    r"""Compare an analytic gradient with :func:`numerical_grad`; raise if they disagree.
 
-    Returns the largest absolute difference. Raises ``AssertionError`` naming the worst
-    element, its two values and the tolerance when ``|analytic - numeric| > atol + rtol *
-    max|numeric|`` anywhere.
+    Parameters
+    ----------
+    f : callable
+        Maps an array shaped like ``x`` to an array shaped like ``dy``.
+    x : array_like
+        Point at which to differentiate (never modified).
+    dy : array_like
+        Upstream gradient, the weights of the scalar ``sum(dy * f(x))``.
+    analytic : array_like, shape of ``x``
+        The gradient to check, e.g. ``dx`` from a backward pass.
+    h : float, default 1e-6
+        Finite-difference step; must be > 0.
+    rtol, atol : float, default 1e-6 and 1e-9
+        Tolerance: every element must satisfy
+        :math:`|a_i - n_i| \le \mathrm{atol} + \mathrm{rtol}\,\max_j |n_j|`.
+    name : str, default "dx"
+        Name of the gradient in the error message.
+
+    Returns
+    -------
+    float
+        The largest absolute difference between ``analytic`` and the numerical gradient.
+
+    Raises
+    ------
+    AssertionError
+        ``analytic`` not of the shape of ``x``, or an element beyond the tolerance (the
+        message names the worst element, its two values and the tolerance).
+    ValueError
+        ``h`` not > 0.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch02-backward`, where the backward pass is checked this way.
     """
     numeric = numerical_grad(f, x, dy, h=h)
     analytic = np.asarray(analytic, dtype=np.float64)

@@ -21,7 +21,40 @@ __all__ = ["group_norm", "group_norm_backward", "group_norm_forward"]
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     r"""Group normalization of ``x`` (N, C, ...); returns ``y`` only.
 
-    Same as ``group_norm_forward(...)[0]``; see :func:`group_norm_forward`.
+    Each example's channels are split into G groups; a group (its C/G channels at every
+    spatial position) is normalized like a LayerNorm row, then each channel :math:`c` gets
+    its gain and bias:
+
+    .. math::
+
+        y_{bc\cdot} = (x_{bc\cdot} - \mu_{bj})\, r_{bj}\, \gamma_c + \beta_c
+        \quad (c \text{ in group } j).
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+        Input; never modified; any strides are accepted.
+    num_groups : int
+        G, a divisor of C.
+    weight, bias : ndarray of shape (C,), optional
+        Per-channel gain :math:`\gamma` and bias :math:`\beta` (default 1 and 0).
+    eps : float, default 1e-5
+        Added to the variance inside the square root; finite and >= 0.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The normalized input.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`group_norm_forward`, before anything is computed.
+
+    Notes
+    -----
+    Same as ``group_norm_forward(...)[0]``. Covered in :doc:`/book/04_variants`, section
+    "The family by axes".
     """
     return group_norm_forward(x, num_groups, weight, bias, eps=eps)[0]
 
@@ -103,6 +136,7 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     Returns
     -------
     y : ndarray, shape and dtype of ``x``
+        The normalized input.
     mean, rstd : ndarray, shape (N, G)
         :math:`\mu` and :math:`r` of each group, float32 for float16/float32 ``x``, float64
         for float64.
@@ -121,7 +155,7 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     Statistics are computed by the LayerNorm row implementation on the rows (corrected
     two-pass, accumulated in float32 for float16/float32 and float64 for float64), so each
     example's result is bitwise independent of the other examples in the batch. Covered in
-    the book, chapter "Variants", section "The family by axes".
+    :doc:`/book/04_variants`, section "The family by axes".
 
     References
     ----------
@@ -175,8 +209,9 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     Returns
     -------
     dx : ndarray, shape and dtype of ``x``
+        Gradient of the loss with respect to ``x``.
     dweight, dbias : ndarray, shape (C,)
-        Dtype of ``weight``, or of ``x`` when ``weight`` is None (then the gradients with
+        Gradients with respect to the per-channel gain and bias; dtype of ``weight``, or of ``x`` when ``weight`` is None (then the gradients with
         respect to a gain of ones and a bias of zeros).
 
     Raises
@@ -187,7 +222,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
 
     Notes
     -----
-    Derived in the book, chapter "Variants", section "The family by axes".
+    Covered in :doc:`/book/04_variants`, section "The family by axes".
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
     x = check.float_array(x, "x", xp)

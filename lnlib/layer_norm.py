@@ -10,7 +10,42 @@ __all__ = ["layer_norm", "layer_norm_forward", "layer_norm_backward"]
 def layer_norm(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1, weight_offset=0.0):
     r"""Layer normalization of ``x`` over its last ``normalized_ndim`` axes; returns ``y`` only.
 
-    Same as ``layer_norm_forward(...)[0]``; see :func:`layer_norm_forward` for the details.
+    Each row (the :math:`D` values of one slice over the normalized axes) is standardized
+    with its own mean and biased variance, then scaled and shifted:
+
+    .. math::
+
+        y_i = \frac{x_i - \mu}{\sqrt{\sigma^2 + \epsilon}}\,\gamma_i + \beta_i .
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        Input; ``norm`` is the shape of the last ``normalized_ndim`` axes. Never modified.
+    weight, bias : ndarray of shape ``norm``, optional
+        Gain :math:`\gamma` and bias :math:`\beta` (default: 1 and 0).
+    eps : float, default 1e-5
+        Added to the variance inside the square root; finite and >= 0.
+    normalized_ndim : int, default 1
+        How many trailing axes to normalize over.
+    weight_offset : float, default 0.0
+        Keyword only. The gain is ``weight_offset + weight`` (zero-centred gain with 1.0);
+        0 when ``weight`` is None.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The normalized input; the statistics are not returned (use
+        :func:`layer_norm_forward` when the backward pass needs them).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`layer_norm_forward`, before anything is computed.
+
+    Notes
+    -----
+    Same as ``layer_norm_forward(...)[0]``. Covered in :ref:`sec-ch02-one-vector` (one row)
+    and :ref:`sec-ch02-tensors` (which axes are normalized).
     """
     return layer_norm_forward(x, weight, bias, eps=eps, normalized_ndim=normalized_ndim,
                               weight_offset=weight_offset)[0]
@@ -20,13 +55,13 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
                        weight_offset=0.0):
     r"""Layer normalization forward pass, returning what the backward pass needs.
 
-    Each slice of ``x`` over its last ``normalized_ndim`` axes (a "row" of :math:`H` elements)
+    Each slice of ``x`` over its last ``normalized_ndim`` axes (a "row" of :math:`D` elements)
     is normalized with its own mean and biased variance:
 
     .. math::
 
-        \mu = \frac{1}{H}\sum_{i=1}^{H} x_i, \qquad
-        \sigma^2 = \frac{1}{H}\sum_{i=1}^{H} (x_i - \mu)^2, \qquad
+        \mu = \frac{1}{D}\sum_{i=1}^{D} x_i, \qquad
+        \sigma^2 = \frac{1}{D}\sum_{i=1}^{D} (x_i - \mu)^2, \qquad
         y_i = \frac{x_i - \mu}{\sqrt{\sigma^2 + \epsilon}}\,\gamma_i + \beta_i .
 
     The variance is computed in two passes (never as :math:`E[x^2] - E[x]^2`), so rows with a
@@ -53,10 +88,11 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
     Returns
     -------
     y : ndarray, shape and dtype of ``x``
+        The normalized, scaled and shifted input.
     mean : ndarray, shape ``lead``
         :math:`\mu` of each row, float32 for float16/float32 ``x``, float64 for float64.
     rstd : ndarray, shape ``lead``
-        :math:`1/\sqrt{\sigma^2 + \epsilon}` of each row, in the dtype of ``mean``.
+        :math:`r = 1/\sqrt{\sigma^2 + \epsilon}` of each row, in the dtype of ``mean``.
 
     Raises
     ------
@@ -72,7 +108,8 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
     -----
     float16 and float32 inputs are accumulated in float32, float64 in float64. Each row is
     computed independently by the same operations, so results are bitwise independent of the
-    other rows in the batch. Derived in the book, chapter "The math of LayerNorm".
+    other rows in the batch. Covered in :ref:`sec-ch02-one-vector` and
+    :ref:`sec-ch02-tensors`; what is saved for the backward in :ref:`sec-ch05-saves`.
 
     References
     ----------
@@ -123,6 +160,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0):
     Returns
     -------
     dx : ndarray, shape and dtype of ``x``
+        Gradient of the loss with respect to ``x``.
     dweight, dbias : ndarray, shape ``norm``
         Parameter gradients, also when no weight or bias was used (then they are the
         gradients with respect to a weight of ones and a bias of zeros); dtype of ``weight``,
@@ -140,7 +178,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0):
     -----
     The gradient is accumulated in float32 for float16/float32 ``x`` and in float64 for
     float64 ``x``, whatever the dtype of ``mean`` and ``rstd`` (they are cast to it).
-    Derived in the book, chapter "The math of LayerNorm", section on the backward pass.
+    Covered in :ref:`sec-ch02-backward`.
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
     dy, x, (mean, rstd), k = check.backward_inputs(dy, x, xp, mean=mean, rstd=rstd)

@@ -38,20 +38,29 @@ class LayerNorm(_Saved):
     Parameters
     ----------
     normalized_shape : int or tuple of int
+        Shape of the trailing axes normalized over (D values in all).
     eps : float, default 1e-5
+        Added to the variance inside the square root.
     elementwise_affine : bool, default True
         Whether to hold a weight (ones) and, if ``bias``, a bias (zeros).
     bias : bool, default True
+        Whether to hold a bias (with ``elementwise_affine``).
     dtype : dtype, default float32
+        Dtype of the parameters.
     weight_offset : float, default 0.0
         Keyword only. The scale is ``weight_offset + weight``; the weight starts at
         ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``).
 
     Attributes
     ----------
-    weight, bias : ndarray or None
+    weight, bias : ndarray of shape ``normalized_shape``, or None
+        The parameters :math:`\gamma` and :math:`\beta`.
     dweight, dbias : ndarray or None
         Gradients from the last :meth:`backward`.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch02-one-vector` and :ref:`sec-ch02-backward`.
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -66,6 +75,23 @@ class LayerNorm(_Saved):
         self.dweight = self.dbias = None
 
     def forward(self, x):
+        r"""Normalize ``x`` with :func:`lnlib.layer_norm_forward`; save what backward needs.
+
+        Parameters
+        ----------
+        x : ndarray
+            Shape ``(*lead, *normalized_shape)``, floating.
+
+        Returns
+        -------
+        y : ndarray, shape and dtype of ``x``
+            The normalized input.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.layer_norm_forward`.
+        """
         y, mean, rstd = layer_norm_forward(x, self.weight, self.bias, eps=self.eps,
                                            normalized_ndim=len(self.normalized_shape),
                                            weight_offset=self.weight_offset)
@@ -73,6 +99,29 @@ class LayerNorm(_Saved):
         return y
 
     def backward(self, dy):
+        r"""Backward of the last :meth:`forward` (:func:`lnlib.layer_norm_backward`).
+
+        Parameters
+        ----------
+        dy : ndarray, shape of the last forward's ``x``
+            Gradient of the loss with respect to the last forward's output.
+
+        Returns
+        -------
+        dx : ndarray, shape and dtype of ``x``
+            Gradient of the loss with respect to the last forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            No forward has been run.
+        TypeError, ValueError
+            As for :func:`lnlib.layer_norm_backward`.
+
+        Notes
+        -----
+        Also stores ``dweight`` and ``dbias`` (None for a parameter the layer does not hold).
+        """
         x, mean, rstd = self._take()
         dx, dweight, dbias = layer_norm_backward(dy, x, mean, rstd, self.weight,
                                                  weight_offset=self.weight_offset)
@@ -89,12 +138,20 @@ class RMSNorm(_Saved):
     Parameters
     ----------
     normalized_shape : int or tuple of int
+        Shape of the trailing axes normalized over (D values in all).
     eps : float, default 1e-6
+        Added to the mean square inside the square root.
     elementwise_affine : bool, default True
+        Whether to hold a weight (the gain).
     dtype : dtype, default float32
+        Dtype of the weight.
     weight_offset : float, default 0.0
         Keyword only. The gain is ``weight_offset + weight``; the weight starts at
         ``1 - weight_offset`` (zeros for Gemma's zero-centred gain, ``weight_offset=1.0``).
+
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "RMSNorm".
     """
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32,
@@ -108,6 +165,23 @@ class RMSNorm(_Saved):
         self.dweight = None
 
     def forward(self, x):
+        r"""Normalize ``x`` with :func:`lnlib.rms_norm_forward`; save what backward needs.
+
+        Parameters
+        ----------
+        x : ndarray
+            Shape ``(*lead, *normalized_shape)``, floating.
+
+        Returns
+        -------
+        y : ndarray, shape and dtype of ``x``
+            The rescaled input.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.rms_norm_forward`.
+        """
         y, rstd = rms_norm_forward(x, self.weight, eps=self.eps,
                                    normalized_ndim=len(self.normalized_shape),
                                    weight_offset=self.weight_offset)
@@ -115,6 +189,29 @@ class RMSNorm(_Saved):
         return y
 
     def backward(self, dy):
+        r"""Backward of the last :meth:`forward` (:func:`lnlib.rms_norm_backward`).
+
+        Parameters
+        ----------
+        dy : ndarray, shape of the last forward's ``x``
+            Gradient of the loss with respect to the last forward's output.
+
+        Returns
+        -------
+        dx : ndarray, shape and dtype of ``x``
+            Gradient of the loss with respect to the last forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            No forward has been run.
+        TypeError, ValueError
+            As for :func:`lnlib.rms_norm_backward`.
+
+        Notes
+        -----
+        Also stores ``dweight`` (None without a weight).
+        """
         x, rstd = self._take()
         dx, dweight = rms_norm_backward(dy, x, rstd, self.weight,
                                         weight_offset=self.weight_offset)
@@ -136,20 +233,31 @@ class AdaLN(_Saved):
     Parameters
     ----------
     dim : int
-        Size of the last axis of ``x``.
+        D, the size of the last axis of ``x``.
     cond_dim : int
+        C, the size of the conditioning vector.
     eps : float, default 1e-6
+        Added to the variance inside the square root.
     zero_init : bool, default True
         adaLN-Zero (weight and bias zero). Otherwise the weight is drawn from
         N(0, 1/cond_dim) with ``rng``.
     rng : numpy.random.Generator, optional
+        Random generator for the weight when ``zero_init`` is False.
     dtype : dtype, default float32
+        Dtype of the parameters.
 
     Attributes
     ----------
     weight : ndarray (cond_dim, 3 * dim)
+        Weight of the conditioning layer.
     bias : ndarray (3 * dim,)
+        Its bias.
     dweight, dbias : ndarray or None
+        Gradients from the last :meth:`backward`.
+
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
     """
 
     def __init__(self, dim, cond_dim, eps=1e-6, zero_init=True, rng=None, dtype=np.float32):
@@ -161,6 +269,27 @@ class AdaLN(_Saved):
         self.dweight = self.dbias = None
 
     def forward(self, x, c):
+        r"""Modulate the LayerNorm of ``x`` by the conditioning ``c``; return ``(y, gate)``.
+
+        Parameters
+        ----------
+        x : ndarray, shape ``(B, dim)`` or ``(B, T, dim)``, floating
+            Input, normalized over its last axis.
+        c : ndarray, shape ``(B, cond_dim)``, floating
+            Conditioning vectors.
+
+        Returns
+        -------
+        y : ndarray, shape and dtype of ``x``
+            :math:`\hat{x}\,(1 + \mathrm{scale}) + \mathrm{shift}`.
+        gate : ndarray, shape ``(B, dim)`` (``(B, 1, dim)`` for 3-d ``x``)
+            The gate for the residual branch that follows (applied by the caller).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.adaln_modulation` and :func:`lnlib.ada_layer_norm_forward`.
+        """
         shift, scale, gate = adaln_modulation(c, self.weight, self.bias)
         expand = (slice(None),) + (None,) * (np.ndim(x) - 2)
         shift, scale, gate = shift[expand], scale[expand], gate[expand]
@@ -169,7 +298,34 @@ class AdaLN(_Saved):
         return y, gate
 
     def backward(self, dy, dgate=None):
-        """Return ``(dx, dc)`` from the gradients of ``y`` and (optionally) of ``gate``."""
+        r"""Backward of the last :meth:`forward`: ``(dx, dc)`` from the gradients of its outputs.
+
+        Parameters
+        ----------
+        dy : ndarray, shape of ``x``
+            Gradient of the loss with respect to ``y``.
+        dgate : ndarray, shape of ``gate``, optional
+            Gradient with respect to ``gate``; None counts as zero.
+
+        Returns
+        -------
+        dx : ndarray, shape and dtype of ``x``
+            Gradient with respect to ``x``.
+        dc : ndarray, shape ``(B, cond_dim)``
+            Gradient with respect to ``c``.
+
+        Raises
+        ------
+        RuntimeError
+            No forward has been run.
+        TypeError, ValueError
+            As for :func:`lnlib.ada_layer_norm_backward` and
+            :func:`lnlib.adaln_modulation_backward`.
+
+        Notes
+        -----
+        Also stores ``dweight`` and ``dbias``.
+        """
         x, c, mean, rstd, scale, expand = self._take()
         dx, dshift, dscale = ada_layer_norm_backward(dy, x, mean, rstd, scale)
         squeeze = tuple(range(1, np.ndim(x) - 1))
@@ -194,9 +350,13 @@ class BatchNorm(_Saved):
     num_features : int
         Number of channels C.
     eps : float, default 1e-5
+        Added to the variance inside the square root.
     momentum : float, default 0.1
+        Weight of the batch statistics in the running averages.
     affine : bool, default True
+        Whether to hold a per-channel weight (ones) and bias (zeros).
     dtype : dtype, default float32
+        Dtype of the parameters and running statistics.
 
     Attributes
     ----------
@@ -204,6 +364,11 @@ class BatchNorm(_Saved):
         True (the default) uses batch statistics and updates the running ones; set with
         :meth:`train` and :meth:`eval`.
     running_mean, running_var : ndarray (C,)
+        Running statistics (zeros and ones at the start).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch01-batch-norm` and :ref:`sec-ch01-train-eval`.
     """
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype=np.float32):
@@ -216,13 +381,49 @@ class BatchNorm(_Saved):
         self.dweight = self.dbias = None
 
     def train(self, mode=True):
+        """Set training mode (batch statistics) or evaluation mode (running statistics).
+
+        Parameters
+        ----------
+        mode : bool, default True
+            True for training, False for evaluation.
+
+        Returns
+        -------
+        BatchNorm
+            The layer itself, as in PyTorch.
+        """
         self.training = bool(mode)
         return self
 
     def eval(self):
+        """Set evaluation mode: normalize with the running statistics, update nothing.
+
+        Returns
+        -------
+        BatchNorm
+            The layer itself; same as ``train(False)``.
+        """
         return self.train(False)
 
     def forward(self, x):
+        r"""Normalize ``x`` with :func:`lnlib.batch_norm_forward` in the current mode.
+
+        Parameters
+        ----------
+        x : ndarray
+            Shape ``(N, C, ...)``, floating.
+
+        Returns
+        -------
+        y : ndarray, shape and dtype of ``x``
+            The normalized input (in training the running statistics are updated).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.batch_norm_forward`.
+        """
         y, mean, rstd = batch_norm_forward(x, self.running_mean, self.running_var, self.weight,
                                            self.bias, training=self.training,
                                            momentum=self.momentum, eps=self.eps)
@@ -230,6 +431,29 @@ class BatchNorm(_Saved):
         return y
 
     def backward(self, dy):
+        r"""Backward of the last :meth:`forward`, in the mode it ran in.
+
+        Parameters
+        ----------
+        dy : ndarray, shape of the last forward's ``x``
+            Gradient of the loss with respect to the last forward's output.
+
+        Returns
+        -------
+        dx : ndarray, shape and dtype of ``x``
+            Gradient of the loss with respect to the last forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            No forward has been run.
+        TypeError, ValueError
+            As for :func:`lnlib.batch_norm_backward`.
+
+        Notes
+        -----
+        Also stores ``dweight`` and ``dbias`` (None when not ``affine``).
+        """
         x, mean, rstd, training = self._take()
         dx, dweight, dbias = batch_norm_backward(dy, x, mean, rstd, self.weight, training=training)
         self.dweight = dweight if self.weight is not None else None
@@ -249,15 +473,22 @@ class GroupNorm(_Saved):
     num_channels : int
         C.
     eps : float, default 1e-5
+        Added to the variance inside the square root.
     affine : bool, default True
         Whether to hold a weight (ones) and a bias (zeros) of shape (C,).
     dtype : dtype, default float32
+        Dtype of the parameters.
 
     Attributes
     ----------
-    weight, bias : ndarray or None
+    weight, bias : ndarray of shape (C,), or None
+        Per-channel gain and bias.
     dweight, dbias : ndarray or None
         Gradients from the last :meth:`backward`.
+
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "The family by axes".
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
@@ -270,11 +501,51 @@ class GroupNorm(_Saved):
         self.dweight = self.dbias = None
 
     def forward(self, x):
+        r"""Normalize ``x`` with :func:`lnlib.group_norm_forward`; save what backward needs.
+
+        Parameters
+        ----------
+        x : ndarray
+            Shape ``(N, C, ...)``, floating.
+
+        Returns
+        -------
+        y : ndarray, shape and dtype of ``x``
+            The normalized input.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.group_norm_forward`.
+        """
         y, mean, rstd = group_norm_forward(x, self.num_groups, self.weight, self.bias, eps=self.eps)
         self._saved = (x, mean, rstd)
         return y
 
     def backward(self, dy):
+        r"""Backward of the last :meth:`forward` (:func:`lnlib.group_norm_backward`).
+
+        Parameters
+        ----------
+        dy : ndarray, shape of the last forward's ``x``
+            Gradient of the loss with respect to the last forward's output.
+
+        Returns
+        -------
+        dx : ndarray, shape and dtype of ``x``
+            Gradient of the loss with respect to the last forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            No forward has been run.
+        TypeError, ValueError
+            As for :func:`lnlib.group_norm_backward`.
+
+        Notes
+        -----
+        Also stores ``dweight`` and ``dbias`` (None when not ``affine``).
+        """
         x, mean, rstd = self._take()
         dx, dweight, dbias = group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight)
         self.dweight = dweight if self.weight is not None else None
@@ -296,13 +567,20 @@ class DynamicTanh(_Saved):
     elementwise_affine : bool, default True
         Whether to hold a weight (ones) and a bias (zeros) of shape (D,).
     dtype : dtype, default float32
+        Dtype of ``alpha`` and the parameters.
 
     Attributes
     ----------
     alpha : ndarray, 0-d
-    weight, bias : ndarray or None
+        The learned scalar.
+    weight, bias : ndarray of shape (D,), or None
+        Gain and bias.
     dalpha, dweight, dbias : ndarray or None
         Gradients from the last :meth:`backward`.
+
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
     """
 
     def __init__(self, normalized_shape, alpha_init=0.5, elementwise_affine=True,
@@ -317,11 +595,52 @@ class DynamicTanh(_Saved):
         self.dalpha = self.dweight = self.dbias = None
 
     def forward(self, x):
+        r"""Apply :func:`lnlib.dynamic_tanh`; save ``x`` for the backward.
+
+        Parameters
+        ----------
+        x : ndarray
+            Shape ``(..., D)``, floating.
+
+        Returns
+        -------
+        y : ndarray, shape and dtype of ``x``
+            ``weight * tanh(alpha * x) + bias``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.dynamic_tanh`.
+        """
         y = dynamic_tanh(x, self.alpha, self.weight, self.bias)
         self._saved = (x,)
         return y
 
     def backward(self, dy):
+        r"""Backward of the last :meth:`forward` (:func:`lnlib.dynamic_tanh_backward`).
+
+        Parameters
+        ----------
+        dy : ndarray, shape of the last forward's ``x``
+            Gradient of the loss with respect to the last forward's output.
+
+        Returns
+        -------
+        dx : ndarray, shape and dtype of ``x``
+            Gradient of the loss with respect to the last forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            No forward has been run.
+        TypeError, ValueError
+            As for :func:`lnlib.dynamic_tanh_backward`.
+
+        Notes
+        -----
+        Also stores ``dalpha``, ``dweight`` and ``dbias`` (None for a parameter the layer
+        does not hold).
+        """
         (x,) = self._take()
         dx, self.dalpha, dweight, dbias = dynamic_tanh_backward(dy, x, self.alpha, self.weight)
         self.dweight = dweight if self.weight is not None else None

@@ -10,7 +10,38 @@ __all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
 def rms_norm(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0):
     r"""RMS normalization of ``x`` over its last ``normalized_ndim`` axes; returns ``y`` only.
 
-    Same as ``rms_norm_forward(...)[0]``; see :func:`rms_norm_forward`.
+    .. math::
+
+        y_i = \frac{x_i}{\sqrt{\frac{1}{D}\sum_{j=1}^{D} x_j^2 + \epsilon}}\,\gamma_i .
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        Input; ``norm`` is the shape of the last ``normalized_ndim`` axes. Never modified.
+    weight : ndarray of shape ``norm``, optional
+        Gain :math:`\gamma` (default 1).
+    eps : float, default 1e-6
+        Added to the mean square inside the square root; finite and >= 0.
+    normalized_ndim : int, default 1
+        How many trailing axes to normalize over.
+    weight_offset : float, default 0.0
+        Keyword only. The gain is ``weight_offset + weight`` (Gemma's zero-centred gain with
+        1.0); 0 when ``weight`` is None.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The rescaled input; use :func:`rms_norm_forward` when the backward needs ``rstd``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`rms_norm_forward`, before anything is computed.
+
+    Notes
+    -----
+    Same as ``rms_norm_forward(...)[0]``. Covered in :doc:`/book/04_variants`, section
+    "RMSNorm".
     """
     return rms_norm_forward(x, weight, eps=eps, normalized_ndim=normalized_ndim,
                             weight_offset=weight_offset)[0]
@@ -21,7 +52,7 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
 
     .. math::
 
-        \mathrm{rstd} = \Big(\frac{1}{H}\sum_{i=1}^{H} x_i^2 + \epsilon\Big)^{-1/2}, \qquad
+        \mathrm{rstd} = \Big(\frac{1}{D}\sum_{i=1}^{D} x_i^2 + \epsilon\Big)^{-1/2}, \qquad
         y_i = x_i\,\mathrm{rstd}\,\gamma_i .
 
     Parameters
@@ -42,8 +73,10 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
     Returns
     -------
     y : ndarray, shape and dtype of ``x``
+        The rescaled input.
     rstd : ndarray, shape ``lead``
-        float32 for float16/float32 ``x``, float64 for float64.
+        The reciprocal root mean square of each row, float32 for float16/float32 ``x``,
+        float64 for float64.
 
     Raises
     ------
@@ -56,8 +89,8 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
 
     Notes
     -----
-    Covered in the book, chapter "Variants". Matches ``torch.nn.functional.rms_norm``
-    with the same ``eps``.
+    Matches ``torch.nn.functional.rms_norm`` with the same ``eps``. Covered in
+    :doc:`/book/04_variants`, section "RMSNorm".
 
     References
     ----------
@@ -91,10 +124,13 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0):
     Parameters
     ----------
     dy : ndarray, shape of ``x``
-    x : ndarray, float16, float32 or float64
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        The forward input.
     rstd : ndarray, shape ``lead``
         As returned by :func:`rms_norm_forward`; ``x.ndim - rstd.ndim`` axes are normalized.
     weight : ndarray of shape ``norm``, optional
+        The forward gain; ``None`` means ones.
     weight_offset : float, default 0.0
         Keyword only; the forward's ``weight_offset``. ``dweight`` has the same form for any
         offset.
@@ -102,7 +138,9 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0):
     Returns
     -------
     dx : ndarray, shape and dtype of ``x``
+        Gradient of the loss with respect to ``x``.
     dweight : ndarray, shape ``norm``, dtype of ``weight`` (of ``x`` when ``weight`` is None)
+        Gradient with respect to the gain (a gain of ones when ``weight`` is None).
 
     Raises
     ------
@@ -112,7 +150,8 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0):
     Notes
     -----
     Accumulated in float32 for float16/float32 ``x``, float64 for float64 ``x``, whatever the
-    dtype of ``rstd`` (cast to it). Covered in the book, chapter "Variants".
+    dtype of ``rstd`` (cast to it). Covered in :doc:`/book/04_variants`, section "RMSNorm",
+    "The backward pass".
     """
     xp = get_array_module(dy=dy, x=x, rstd=rstd, weight=weight)
     dy, x, (rstd,), k = check.backward_inputs(dy, x, xp, rstd=rstd)
