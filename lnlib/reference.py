@@ -39,7 +39,9 @@ def layer_norm_dx(g, xhat, rstd, axes=None, means=None):
     Parameters
     ----------
     g, xhat : ndarray, same shape
+        :math:`g = dy\,\gamma` and :math:`\hat{x}`, in the accumulation dtype.
     rstd : ndarray, broadcastable against ``g`` (size-1 normalized axes)
+        :math:`r` of each row (or channel).
     axes : tuple of int, optional
         The normalized axes the means run over, when ``means`` is None.
     means : tuple of two ndarrays, optional
@@ -48,7 +50,12 @@ def layer_norm_dx(g, xhat, rstd, axes=None, means=None):
 
     Returns
     -------
-    ndarray, shape of ``g``
+    dx : ndarray, shape and dtype of ``g``
+        Gradient of the loss with respect to the input of the normalization.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch02-backward`.
     """
     if means is None:
         means = (g.mean(axis=axes, keepdims=True),  # (N, 1)
@@ -64,14 +71,54 @@ def rms_norm_dx(g, xhat, rstd, axes):
 
         dx = r\,\big(g - \hat{x}\,\overline{g\hat{x}}\big), \qquad g = dy\,\gamma .
 
-    Arguments as in :func:`layer_norm_dx`; returns an array of the shape of ``g``.
+    Parameters
+    ----------
+    g, xhat : ndarray, same shape
+        :math:`g = dy\,\gamma` and :math:`\hat{x} = x\,r`, in the accumulation dtype.
+    rstd : ndarray, broadcastable against ``g`` (size-1 normalized axes)
+        :math:`r` of each row.
+    axes : tuple of int
+        The normalized axes the mean runs over.
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``g``
+        Gradient of the loss with respect to ``x``.
+
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "RMSNorm", "The backward pass".
     """
     gxhat_mean = (g * xhat).mean(axis=axes, keepdims=True)  # (N, 1)
     return rstd * (g - xhat * gxhat_mean)  # (N, D)
 
 
 def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1):
-    """LayerNorm forward: y = (x - mean) * rstd * weight + bias; returns (y, mean, rstd)."""
+    r"""LayerNorm forward, :math:`y = (x - \mu)\,r\,\gamma + \beta`, in a few lines.
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        Input, normalized over its last ``normalized_ndim`` axes.
+    weight, bias : ndarray of shape ``norm``, optional
+        Gain :math:`\gamma` and bias :math:`\beta` (default 1 and 0).
+    eps : float, default 1e-5
+        Added to the variance inside the square root.
+    normalized_ndim : int, default 1
+        How many trailing axes to normalize over.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The output.
+    mean, rstd : ndarray, shape ``lead``, float32 (float64 for float64 ``x``)
+        :math:`\mu` and :math:`r` of each row.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :ref:`sec-ch02-one-vector`.
+    """
     k = normalized_ndim
     xa = x.astype(accumulation_dtype(x.dtype))  # (N, D)
     mean = xa.mean(axis=_last_axes(x.ndim, k))  # (N,)
@@ -87,7 +134,31 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
 
 
 def layer_norm_backward(dy, x, mean, rstd, weight=None):
-    """LayerNorm backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight."""
+    r"""LayerNorm backward: :math:`dx = r\,(g - \overline{g} - \hat{x}\,\overline{g\hat{x}})`.
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        The forward input.
+    mean, rstd : ndarray, shape ``lead``
+        From :func:`layer_norm_forward`; their dtype is the accumulation dtype.
+    weight : ndarray of shape ``norm``, optional
+        The forward gain :math:`\gamma` (default ones); :math:`g = dy\,\gamma`.
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+        Gradient with respect to ``x``.
+    dweight, dbias : ndarray, shape ``norm``, dtype of ``weight`` (of ``x`` when None)
+        Gradients with respect to :math:`\gamma` and :math:`\beta`.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :ref:`sec-ch02-backward`.
+    """
     k = x.ndim - mean.ndim
     axes, rows = _last_axes(x.ndim, k), tuple(range(mean.ndim))
     acc = mean.dtype
@@ -102,7 +173,31 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None):
 
 
 def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1):
-    """RMSNorm forward: y = x * rstd * weight with rstd = 1 / sqrt(mean(x^2) + eps)."""
+    r"""RMSNorm forward: :math:`y = x\,r\,\gamma`, :math:`r = (\overline{x^2} + \epsilon)^{-1/2}`.
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        Input, normalized over its last ``normalized_ndim`` axes.
+    weight : ndarray of shape ``norm``, optional
+        Gain :math:`\gamma` (default 1).
+    eps : float, default 1e-6
+        Added to the mean square inside the square root.
+    normalized_ndim : int, default 1
+        How many trailing axes to normalize over.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The output.
+    rstd : ndarray, shape ``lead``, float32 (float64 for float64 ``x``)
+        :math:`r` of each row.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :doc:`/book/04_variants`, section "RMSNorm".
+    """
     k = normalized_ndim
     xa = x.astype(accumulation_dtype(x.dtype))  # (N, D)
     rstd = 1 / ((xa * xa).mean(axis=_last_axes(x.ndim, k)) + eps) ** 0.5  # (N,)
@@ -113,7 +208,31 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1):
 
 
 def rms_norm_backward(dy, x, rstd, weight=None):
-    """RMSNorm backward: dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd."""
+    r"""RMSNorm backward: :math:`dx = r\,(g - \hat{x}\,\overline{g\hat{x}})`, :math:`\hat{x} = xr`.
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        The forward input.
+    rstd : ndarray, shape ``lead``
+        From :func:`rms_norm_forward`; its dtype is the accumulation dtype.
+    weight : ndarray of shape ``norm``, optional
+        The forward gain (default ones).
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+        Gradient with respect to ``x``.
+    dweight : ndarray, shape ``norm``, dtype of ``weight`` (of ``x`` when None)
+        Gradient with respect to the gain.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :doc:`/book/04_variants`, section "RMSNorm", "The backward pass".
+    """
     k = x.ndim - rstd.ndim
     axes, rows = _last_axes(x.ndim, k), tuple(range(rstd.ndim))
     acc = rstd.dtype
@@ -126,7 +245,31 @@ def rms_norm_backward(dy, x, rstd, weight=None):
 
 
 def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
-    """AdaLN forward (DiT modulation): y = LN(x) * (1 + scale) + shift; returns (y, mean, rstd)."""
+    r"""AdaLN forward (DiT modulation): :math:`y = \hat{x}\,(1 + \mathrm{scale}) + \mathrm{shift}`.
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        Input, normalized over its last ``normalized_ndim`` axes.
+    shift, scale : ndarray
+        Broadcast against ``x``.
+    eps : float, default 1e-6
+        Added to the variance inside the square root.
+    normalized_ndim : int, default 1
+        How many trailing axes to normalize over.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The output.
+    mean, rstd : ndarray, shape ``lead``
+        :math:`\mu` and :math:`r` of each row, in the accumulation dtype.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
+    """
     xhat, mean, rstd = layer_norm_forward(  # (N, D), (N,), (N,)
         x.astype(accumulation_dtype(x.dtype)), eps=eps, normalized_ndim=normalized_ndim
     )
@@ -135,8 +278,38 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
 
 
 def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
-    """AdaLN backward: dshift = sum dy, dscale = sum dy * xhat, dx = LN backward of
-    dy * (1 + scale)."""
+    r"""AdaLN backward: :math:`d\mathrm{shift} = \sum dy`, :math:`d\mathrm{scale} = \sum dy\hat{x}`.
+
+    And :math:`dx` is the LayerNorm backward of :math:`dy\,(1 + \mathrm{scale})`; the sums
+    run over the axes along which ``shift`` and ``scale`` were broadcast.
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
+        The forward input.
+    mean, rstd : ndarray, shape ``lead``
+        From :func:`ada_layer_norm_forward`, in the accumulation dtype.
+    scale : ndarray
+        The forward ``scale``.
+    shift_shape : tuple, optional
+        Shape of the forward ``shift`` when it differs from that of ``scale``.
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+        Gradient with respect to ``x``.
+    dshift : ndarray, shape ``shift_shape`` (default ``scale.shape``), dtype of ``scale``
+        Gradient with respect to ``shift``.
+    dscale : ndarray, shape and dtype of ``scale``
+        Gradient with respect to ``scale``.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
+    """
     k = x.ndim - mean.ndim
     acc = mean.dtype
     xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)  # (N, D)
@@ -150,10 +323,37 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
 
 def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *,
                        training, momentum=0.1, eps=1e-5):
-    """BatchNorm forward over (N, C, ...): statistics per channel over every other axis.
+    r"""BatchNorm forward over (N, C, ...): statistics per channel over every other axis.
 
     In training the batch statistics are used and the running ones updated in place (unbiased
-    variance); in evaluation the running statistics are used. Returns (y, mean, rstd).
+    variance); in evaluation the running statistics are used.
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+        Input.
+    running_mean, running_var : ndarray of shape ``(C,)``, or None
+        Running statistics (updated in place in training; required in evaluation).
+    weight, bias : ndarray of shape ``(C,)``, optional
+        Per-channel gain and bias (default 1 and 0).
+    training : bool
+        Batch statistics (True) or running statistics (False).
+    momentum : float, default 0.1
+        Weight of the batch statistics in the running averages.
+    eps : float, default 1e-5
+        Added to the variance inside the square root.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The output.
+    mean, rstd : ndarray, shape ``(C,)``
+        The statistics used, in the accumulation dtype.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :ref:`sec-ch01-batch-norm`.
     """
     xp = get_array_module(x=x)
     acc = accumulation_dtype(x.dtype)
@@ -179,7 +379,33 @@ def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *,
 
 
 def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
-    """BatchNorm backward; with batch statistics the gradient flows through mean and rstd too."""
+    r"""BatchNorm backward; with batch statistics the gradient flows through mean and rstd too.
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+        The forward input.
+    mean, rstd : ndarray, shape ``(C,)``
+        From :func:`batch_norm_forward`, in the accumulation dtype.
+    weight : ndarray of shape ``(C,)``, optional
+        The forward gain (default ones).
+    training : bool, default True
+        Whether the forward used batch statistics (else they are constants).
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+        Gradient with respect to ``x``.
+    dweight, dbias : ndarray, shape ``(C,)``, dtype of ``weight`` (of ``x`` when None)
+        Gradients with respect to the gain and bias.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :ref:`sec-ch01-batch-norm`.
+    """
     axes = (0,) + tuple(range(2, x.ndim))
     shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
     acc = mean.dtype
@@ -195,9 +421,36 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     dbias = dya.sum(axis=axes).astype(pdtype)  # (C,)
     return dx.astype(x.dtype), dweight, dbias
 
+
 def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
-    """GroupNorm forward over (N, C, ...): LayerNorm of each group of C/G channels (and every
-    spatial position), then a per-channel gain and bias; returns (y, mean, rstd), (N, G) each."""
+    r"""GroupNorm forward over (N, C, ...): a LayerNorm of each group, then per-channel affine.
+
+    A group is C/G channels at every spatial position, :math:`D = (C/G)\prod\mathrm{spatial}`
+    values.
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+        Input.
+    num_groups : int
+        G, a divisor of C.
+    weight, bias : ndarray of shape ``(C,)``, optional
+        Per-channel gain and bias (default 1 and 0).
+    eps : float, default 1e-5
+        Added to the variance inside the square root.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The output.
+    mean, rstd : ndarray, shape ``(N, G)``
+        :math:`\mu` and :math:`r` of each group, in the accumulation dtype.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :doc:`/book/04_variants`, section "The family by axes".
+    """
     n, c, g = x.shape[0], x.shape[1], num_groups
     xa = x.astype(accumulation_dtype(x.dtype)).reshape(n, g, -1)  # (N, G, D)
     mean = xa.mean(axis=2)
@@ -212,7 +465,33 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
 
 
 def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
-    """GroupNorm backward: the LayerNorm backward on each group, with g = dy * weight[c]."""
+    r"""GroupNorm backward: the LayerNorm backward on each group, with :math:`g = dy\,\gamma_c`.
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+        The forward input.
+    mean, rstd : ndarray, shape ``(N, G)``
+        From :func:`group_norm_forward`.
+    num_groups : int
+        G, as in the forward.
+    weight : ndarray of shape ``(C,)``, optional
+        The forward gain (default ones).
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+        Gradient with respect to ``x``.
+    dweight, dbias : ndarray, shape ``(C,)``, dtype of ``weight`` (of ``x`` when None)
+        Gradients with respect to the gain and bias.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :doc:`/book/04_variants`, section "The family by axes".
+    """
     n, c, g = x.shape[0], x.shape[1], num_groups
     acc = accumulation_dtype(x.dtype)
     mean, rstd = mean.astype(acc)[:, :, None], rstd.astype(acc)[:, :, None]
@@ -229,7 +508,27 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
 
 
 def dynamic_tanh(x, alpha, weight=None, bias=None):
-    """Dynamic Tanh (DyT): y = weight * tanh(alpha * x) + bias, elementwise."""
+    r"""Dynamic Tanh (DyT): :math:`y = \gamma \odot \tanh(\alpha x) + \beta`, elementwise.
+
+    Parameters
+    ----------
+    x : ndarray, float16, float32 or float64, shape ``(..., D)``
+        Input.
+    alpha : float or 0-d floating ndarray
+        The scalar :math:`\alpha`.
+    weight, bias : ndarray of shape ``(D,)``, optional
+        Gain and bias along the last axis (default 1 and 0).
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The output.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
+    """
     xp = get_array_module(x=x)
     acc = accumulation_dtype(x.dtype)
     y = xp.tanh(x.astype(acc) * acc.type(float(alpha)))
@@ -241,8 +540,38 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
 
 
 def dynamic_tanh_backward(dy, x, alpha, weight=None):
-    """DyT backward: with t = tanh(alpha x) and g = dy * weight, dx = alpha g (1 - t^2),
-    dalpha = sum g x (1 - t^2), dweight = sum over rows dy t, dbias = sum over rows dy."""
+    r"""DyT backward, with :math:`t = \tanh(\alpha x)` and :math:`g = dy \odot \gamma`.
+
+    .. math::
+
+        dx = \alpha\, g\,(1 - t^2), \qquad d\alpha = \sum g\, x\,(1 - t^2), \qquad
+        d\gamma = \sum_{\text{rows}} dy\, t, \qquad d\beta = \sum_{\text{rows}} dy .
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+        Gradient of the loss with respect to ``y``.
+    x : ndarray, float16, float32 or float64, shape ``(..., D)``
+        The forward input.
+    alpha : float or 0-d floating ndarray
+        The forward :math:`\alpha`.
+    weight : ndarray of shape ``(D,)``, optional
+        The forward gain (default ones).
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+        Gradient with respect to ``x``.
+    dalpha : 0-d ndarray, dtype of ``alpha`` (of ``x`` for a float)
+        Gradient with respect to :math:`\alpha`.
+    dweight, dbias : ndarray, shape ``(D,)``, dtype of ``weight`` (of ``x`` when None)
+        Gradients with respect to the gain and bias.
+
+    Notes
+    -----
+    Nothing is validated (see the public function for the checks).
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
+    """
     xp = get_array_module(x=x)
     acc = accumulation_dtype(x.dtype)
     xa, dya = x.astype(acc), dy.astype(acc)
