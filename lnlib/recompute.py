@@ -9,7 +9,7 @@ its input for its weight gradient). Since
     y = \hat{x}\,\gamma + \beta \quad\Longrightarrow\quad \hat{x} = \frac{y - \beta}{\gamma},
 
 the backward can recover :math:`\hat{x}` from ``y`` and never keep ``x``: one activation of
-``M x H`` elements less per normalization layer, paid for with one division per element and
+``N x D`` elements less per normalization layer, paid for with one division per element and
 a condition, :math:`\gamma_j \ne 0` for every feature (where :math:`\gamma_j = 0` the output
 carries no information about :math:`\hat{x}_j`, which the gradient still needs). Fused GPU
 kernels such as Apex's "memory-efficient" LayerNorm make the same trade.
@@ -17,7 +17,7 @@ kernels such as Apex's "memory-efficient" LayerNorm make the same trade.
 The accuracy cost: :math:`\hat{x}` is rebuilt from ``y`` rounded to the output dtype, so in
 float16 the gradient inherits float16 rounding of ``y`` amplified by :math:`1/|\gamma|`.
 
-Book: Chapter 5, "Recomputing from the output".
+Covered in :ref:`sec-ch05-recompute`.
 """
 
 import numpy as np
@@ -82,12 +82,18 @@ def layer_norm_backward_from_output(dy, y, rstd, weight=None, bias=None):
     Returns
     -------
     dx : ndarray, shape and dtype of ``y``
-    dweight, dbias : ndarray, shape ``norm``
+        Gradient of the loss with respect to the forward's input ``x``.
+    dweight, dbias : ndarray, shape ``norm``, dtype of ``weight`` (of ``y`` when None)
+        Gradients with respect to the gain and bias.
 
     Raises
     ------
     ValueError
         ``weight`` has a zero entry; shapes that do not fit ``y``.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-recompute`.
     """
     if dy.shape != y.shape:
         raise ValueError(f"dy: expected the shape of y {y.shape}, got {dy.shape}")
@@ -110,8 +116,30 @@ def rms_norm_backward_from_output(dy, y, rstd, weight=None):
         dx = \mathrm{rstd}\,\bigl(g - \hat{x}\,\overline{g\hat{x}}\bigr),\quad
         d\gamma = \sum_{\text{rows}} dy\,\hat{x}.
 
-    Arguments and errors as in :func:`layer_norm_backward_from_output`, without ``bias``.
-    Returns ``(dx, dweight)``.
+    Parameters
+    ----------
+    dy, y : ndarray, shape ``(*lead, *norm)``
+        Output gradient and the forward's output.
+    rstd : ndarray, shape ``lead``
+        From :func:`lnlib.rms_norm_forward`; its dtype is the accumulation dtype.
+    weight : ndarray of shape ``norm`` or None
+        The forward's gain; must have no zero entry.
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``y``
+        Gradient of the loss with respect to the forward's input ``x``.
+    dweight : ndarray, shape ``norm``, dtype of ``weight`` (of ``y`` when None)
+        Gradient with respect to the gain.
+
+    Raises
+    ------
+    ValueError
+        ``weight`` has a zero entry; shapes that do not fit ``y``.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-recompute`.
     """
     if dy.shape != y.shape:
         raise ValueError(f"dy: expected the shape of y {y.shape}, got {dy.shape}")
@@ -130,6 +158,20 @@ def saved_bytes(*arrays):
 
     Views are traced to the array that owns their memory, so keeping ``y`` for the next layer
     and for the backward costs its bytes once.
+
+    Parameters
+    ----------
+    *arrays : ndarray or None
+        The arrays a backward pass keeps; ``None`` entries are skipped.
+
+    Returns
+    -------
+    int
+        Total bytes of the distinct buffers behind ``arrays``.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-recompute`, which compares what each backward keeps.
     """
     owners = {}
     for a in arrays:
