@@ -48,7 +48,7 @@ for the local slice need no communication.
 
 :func:`sharded_layer_norm` wraps the two in a ``torch.autograd.Function`` for use in a model.
 
-Derived in the book, Chapter 5, section "LayerNorm across processes".
+Covered in :ref:`sec-ch05-sharded`.
 """
 
 from __future__ import annotations
@@ -86,6 +86,10 @@ def partial_moments(x):
         Row means of the shard, in float64 for float64 input, else float32.
     m2 : ndarray, shape (N,)
         :math:`\sum_j (x_j - \text{mean})^2` per row (two passes).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-sharded`.
     """
     acc = accumulation_dtype(x.dtype)
     xa = np.asarray(x, dtype=acc)  # (N, h)
@@ -119,9 +123,12 @@ def merge_moments(counts, means, m2s):
     Returns
     -------
     count : int
+        Total number of elements, the sum of ``counts``.
     mean : ndarray, shape (N,)
+        Mean of the merged rows.
     m2 : ndarray, shape (N,)
-        The variance (biased) is ``m2 / count``.
+        Sum of squared deviations of the merged rows; the variance (biased) is
+        ``m2 / count``.
 
     Raises
     ------
@@ -132,7 +139,7 @@ def merge_moments(counts, means, m2s):
     -----
     T. F. Chan, G. H. Golub and R. J. LeVeque, "Algorithms for computing the sample
     variance: analysis and recommendations", The American Statistician 37(3), 1983.
-    Book, Chapter 5, "Numerics in implementations".
+    Covered in :ref:`sec-ch05-numerics` and :ref:`sec-ch05-sharded`.
     """
     counts = [int(c) for c in counts]
     if not counts:
@@ -157,8 +164,29 @@ def merge_moments(counts, means, m2s):
 
 
 def shard_bounds(H, world_size, rank):
-    """Columns ``[start, stop)`` of rank ``rank`` when ``H`` columns are split as evenly
-    as possible (the first ``H % world_size`` ranks get one extra), like ``np.array_split``."""
+    """Columns ``[start, stop)`` of one rank when a row's columns are split across ranks.
+
+    The split is as even as possible (the first ``H % world_size`` ranks get one extra
+    column), like ``np.array_split``.
+
+    Parameters
+    ----------
+    H : int
+        D, the number of columns (features) of a whole row.
+    world_size : int
+        Number of ranks P.
+    rank : int
+        This rank, ``0 <= rank < world_size``.
+
+    Returns
+    -------
+    start, stop : int
+        This rank's columns are ``x[:, start:stop]``.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-sharded`.
+    """
     base, extra = divmod(H, world_size)
     start = rank * base + min(rank, extra)
     stop = start + base + (1 if rank < extra else 0)
@@ -226,8 +254,10 @@ def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=Non
         This rank's columns of the rows.
     weight, bias : torch.Tensor of shape (h_r,) or None
         This rank's slices of the affine parameters.
-    eps : float
-    group : torch.distributed process group or None (the default group)
+    eps : float, default 1e-5
+        Added to the variance inside the square root.
+    group : torch.distributed process group or None
+        The ranks that share the rows (None: the default group).
 
     Returns
     -------
@@ -239,7 +269,7 @@ def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=Non
     Notes
     -----
     Communication: one ``all_gather`` of ``(mean_r, M2_r)``, 2 numbers per row
-    per rank, plus one of the shard widths. Book, Chapter 5.
+    per rank, plus one of the shard widths. Covered in :ref:`sec-ch05-sharded`.
     """
     import torch
 
@@ -270,11 +300,14 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
     mean, rstd : torch.Tensor, shape (N,)
         As returned by the forward.
     weight : torch.Tensor of shape (h_r,) or None
-    group : process group or None
+        This rank's slice of the forward gain (None: ones).
+    group : torch.distributed process group or None
+        The ranks that share the rows (None: the default group).
 
     Returns
     -------
     dx : torch.Tensor, shape (N, h_r)
+        Gradient with respect to this rank's columns of ``x``.
     dweight, dbias : torch.Tensor, shape (h_r,)
         Gradients of this rank's slices (of a weight of ones and a bias of
         zeros when none was used).
@@ -282,7 +315,7 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
     Notes
     -----
     Communication: one ``all_gather`` of ``(sum g, sum g*xhat)``, 2 numbers
-    per row per rank, added in rank order on every rank.
+    per row per rank, added in rank order on every rank. Covered in :ref:`sec-ch05-sharded`.
     """
     import torch
 
@@ -310,11 +343,37 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
 
 
 def sharded_layer_norm(x, weight=None, bias=None, *, eps=1e-5, group=None):
-    r"""Differentiable sharded LayerNorm: :func:`sharded_layer_norm_forward` in the forward,
-    :func:`sharded_layer_norm_backward` in the backward (a ``torch.autograd.Function``).
+    r"""Differentiable LayerNorm of rows whose last axis is sharded across ranks.
 
-    Arguments as in :func:`sharded_layer_norm_forward`; returns this rank's slice of ``y``.
-    Gradients flow to ``x`` and to this rank's slices of ``weight`` and ``bias``.
+    :func:`sharded_layer_norm_forward` in the forward, :func:`sharded_layer_norm_backward` in
+    the backward (a ``torch.autograd.Function``).
+
+    Parameters
+    ----------
+    x : torch.Tensor, shape (N, h_r), float32 or float64, CPU
+        This rank's columns of the rows.
+    weight, bias : torch.Tensor of shape (h_r,) or None
+        This rank's slices of the affine parameters.
+    eps : float, default 1e-5
+        Added to the variance inside the square root.
+    group : torch.distributed process group or None
+        The ranks that share the rows (None: the default group).
+
+    Returns
+    -------
+    y : torch.Tensor, shape (N, h_r)
+        This rank's columns of the output; gradients flow to ``x`` and to this rank's
+        slices of ``weight`` and ``bias``.
+
+    Raises
+    ------
+    ValueError
+        On every rank, when a rank's shard is not 2-d, or the ranks disagree on the number
+        of rows or the dtype (checked before any data is exchanged).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-sharded`.
     """
     return _sharded_function().apply(x, weight, bias, float(eps), group)
 
