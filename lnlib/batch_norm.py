@@ -159,7 +159,8 @@ def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, 
     x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
         Input; each channel is normalized over every axis but axis 1. Never modified.
     running_mean, running_var : ndarray of shape ``(C,)``, or None
-        Running statistics, updated in place in training (None there: no update); required in evaluation.
+        Running statistics, updated in place in training (None there: no update);
+        required in evaluation.
     weight, bias : ndarray of shape ``(C,)``, optional
         Per-channel gain :math:`\gamma` and bias :math:`\beta` (default 1 and 0).
     training : bool

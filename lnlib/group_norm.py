@@ -211,8 +211,9 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     dx : ndarray, shape and dtype of ``x``
         Gradient of the loss with respect to ``x``.
     dweight, dbias : ndarray, shape (C,)
-        Gradients with respect to the per-channel gain and bias; dtype of ``weight``, or of ``x`` when ``weight`` is None (then the gradients with
-        respect to a gain of ones and a bias of zeros).
+        Gradients with respect to the per-channel gain and bias; dtype of ``weight``, or of
+        ``x`` when ``weight`` is None (then the gradients with respect to a gain of ones and a
+        bias of zeros).
 
     Raises
     ------

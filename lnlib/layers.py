@@ -33,7 +33,7 @@ class _Saved:
 
 
 class LayerNorm(_Saved):
-    """LayerNorm over the trailing ``normalized_shape`` axes, with weight and bias.
+    r"""LayerNorm over the trailing ``normalized_shape`` axes, with weight and bias.
 
     Parameters
     ----------

@@ -6,8 +6,9 @@ The forward and the backward of :class:`LayerNormFunction` and
 :func:`lnlib.rms_norm_forward`, :func:`lnlib.rms_norm_backward`). Tensors cross
 the boundary without copies: a CPU tensor is viewed as a NumPy array with
 ``Tensor.numpy()`` and the results come back with ``torch.from_numpy``, which
-share memory. CUDA tensors cross through DLPack into CuPy, for when lnlib's
-GPU path accepts CuPy arrays.
+share memory. CUDA tensors cross through DLPack into CuPy, also without a copy
+(:mod:`lnlib._cuda.dlpack`), and lnlib's CUDA kernels run on torch's current
+stream, so they queue behind torch's own work with no synchronisation.
 
 :class:`LayerNorm` and :class:`RMSNorm` are drop-in replacements for
 ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm`` with the same constructor
@@ -17,7 +18,7 @@ them unchanged.
 This module is the only place in lnlib that imports torch; ``import lnlib``
 does not import it.
 
-Derived in the book, Chapter 5, section "A torch bridge".
+Covered in :ref:`sec-ch05-torch-bridge`.
 
 References
 ----------
@@ -27,7 +28,9 @@ Zhang and Sennrich (2019), *Root Mean Square Layer Normalization*, NeurIPS.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 
 import numpy as np
 import torch
@@ -49,6 +52,16 @@ __all__ = [
 _NATIVE = (torch.float16, torch.float32, torch.float64)
 
 
+def _cuda_dlpack(t):
+    """lnlib's zero-copy DLPack helpers for the CUDA tensor ``t``; a clear error without CuPy."""
+    if importlib.util.find_spec("cupy") is None:
+        raise TypeError(f"x: CUDA tensors need CuPy (pip install lnlib[gpu]); got a tensor on "
+                        f"{t.device}")
+    from lnlib._cuda import dlpack
+
+    return dlpack
+
+
 def _to_array(t):
     """View a tensor as a NumPy (CPU) or CuPy (CUDA) array, without a copy."""
     if t is None:
@@ -60,26 +73,44 @@ def _to_array(t):
         # .numpy() shares the storage for any non-negative strides (torch has no others).
         return t.numpy()
     if t.device.type == "cuda":
-        try:
-            import cupy
-        except ImportError as err:  # pragma: no cover - needs a GPU
-            raise TypeError(
-                "x: CUDA tensors need CuPy (pip install lnlib[gpu]); got a tensor on "
-                f"{t.device}"
-            ) from err
-        return cupy.from_dlpack(t.contiguous())  # pragma: no cover - needs a GPU
+        # Same memory, any strides: no .contiguous() copy (lnlib handles strided rows).
+        return _cuda_dlpack(t).to_cupy(t)
     raise TypeError(f"x: expected a CPU or CUDA tensor, got a tensor on {t.device}")
+
+
+def _on_device(x):
+    """Where lnlib works on ``x``: for a CUDA tensor, CuPy on torch's current stream.
+
+    lnlib's kernels then queue behind the work torch has already queued for ``x`` (and
+    torch's next kernels behind them), with no synchronisation. On the CPU, nothing to do.
+    """
+    if x.device.type == "cuda":
+        return _cuda_dlpack(x).torch_stream(x)
+    return contextlib.nullcontext()
+
+
+def _stat_tensor(a):
+    """An array from lnlib as a tensor on its memory (NumPy or, through DLPack, CuPy)."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
 
 
 def _to_tensor(a, like):
     """Wrap an array from lnlib as a tensor with the dtype and device of ``like``."""
-    if isinstance(a, np.ndarray):
-        t = torch.from_numpy(a)
-    else:  # pragma: no cover - needs a GPU
-        t = torch.from_dlpack(a)
+    t = _stat_tensor(a)
     if t.dtype != like.dtype:
         t = t.to(like.dtype)
     return t
+
+
+def _on_device_of_first(method):
+    """Decorator: run a Function's ``forward(ctx, x, ...)`` or ``backward(ctx, dy, ...)``
+    inside :func:`_on_device` of its first tensor (for CUDA tensors, on torch's stream)."""
+    @functools.wraps(method)
+    def wrapper(ctx, t, *args):
+        with _on_device(t):
+            return method(ctx, t, *args)
+
+    return wrapper
 
 
 def first_order_only(backward):
@@ -123,20 +154,53 @@ class LayerNormFunction(torch.autograd.Function):
         y = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} \odot (o + \gamma) + \beta
 
     (:math:`o` = ``weight_offset``, default 0) over the last ``normalized_ndim`` axes, saving
-    ``x``, ``mean`` and ``rstd`` for the backward (book, Chapter 5, "What the forward saves").
-    ``weight`` and ``bias`` may be ``None``. Not twice differentiable: a backward with
-    ``create_graph=True`` raises ``RuntimeError`` (see :func:`first_order_only`).
+    ``x``, ``mean`` and ``rstd`` for the backward. ``weight`` and ``bias`` may be ``None``.
+    Not twice differentiable: a backward with ``create_graph=True`` raises ``RuntimeError``
+    (see :func:`first_order_only`).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-torch-bridge`; what the forward saves in :ref:`sec-ch05-saves`.
     """
 
     @staticmethod
+    @_on_device_of_first
     def forward(ctx, x, weight, bias, normalized_ndim, eps, *weight_offset):
+        r"""Run :func:`lnlib.layer_norm_forward` on the tensors' memory; save for backward.
+
+        Parameters
+        ----------
+        ctx : torch.autograd.function.FunctionCtx
+            Torch's context object, where the forward saves what the backward needs.
+        x : torch.Tensor, shape ``(*lead, *norm)``, floating, CPU or CUDA
+            Input (bfloat16 is computed in float32 and cast back).
+        weight, bias : torch.Tensor of shape ``norm``, or None
+            Gain and bias, on the device of ``x``.
+        normalized_ndim : int
+            How many trailing axes are normalized.
+        eps : float
+            Added to the variance inside the square root.
+        *weight_offset : float
+            Zero or one number: the gain is ``weight_offset + weight``.
+
+        Returns
+        -------
+        y : torch.Tensor, shape and dtype of ``x``
+            The output.
+        mean, rstd : torch.Tensor, shape ``lead``, float32 (float64 for float64 ``x``)
+            Statistics of each row (marked not differentiable).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.layer_norm_forward`; a CUDA tensor without CuPy installed.
+        """
         y, mean, rstd = lnlib.layer_norm_forward(
             _to_array(x), _to_array(weight), _to_array(bias),
             eps=eps, normalized_ndim=normalized_ndim, weight_offset=sum(weight_offset),
         )
         ctx.weight_offset = weight_offset
-        mean_t = torch.from_numpy(mean) if isinstance(mean, np.ndarray) else torch.from_dlpack(mean)
-        rstd_t = torch.from_numpy(rstd) if isinstance(rstd, np.ndarray) else torch.from_dlpack(rstd)
+        mean_t, rstd_t = _stat_tensor(mean), _stat_tensor(rstd)
         ctx.save_for_backward(x, weight, mean_t, rstd_t)
         ctx.has_bias = bias is not None
         ctx.mark_non_differentiable(mean_t, rstd_t)
@@ -144,7 +208,30 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     @first_order_only
+    @_on_device_of_first
     def backward(ctx, dy, _dmean, _drstd):
+        r"""Run :func:`lnlib.layer_norm_backward`; return the gradients torch asks for.
+
+        Parameters
+        ----------
+        ctx : torch.autograd.function.FunctionCtx
+            The context the forward filled.
+        dy : torch.Tensor, shape of ``x``
+            Gradient of the loss with respect to ``y``.
+        _dmean, _drstd : torch.Tensor or None
+            Gradients with respect to ``mean`` and ``rstd``: ignored (not differentiable).
+
+        Returns
+        -------
+        tuple
+            ``(dx, dweight, dbias, None, None[, None])``: one entry per forward input, None
+            where torch needs no gradient.
+
+        Raises
+        ------
+        RuntimeError
+            Called with grad mode on (``create_graph=True``): there is no double backward.
+        """
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = lnlib.layer_norm_backward(
             _to_array(dy), _to_array(x), _to_array(mean), _to_array(rstd), _to_array(weight),
@@ -171,23 +258,80 @@ class RMSNormFunction(torch.autograd.Function):
 
     over the last ``normalized_ndim`` axes, saving ``x`` and ``rstd``.
     ``weight`` may be ``None``. Not twice differentiable (see :func:`first_order_only`).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
     @staticmethod
+    @_on_device_of_first
     def forward(ctx, x, weight, normalized_ndim, eps, *weight_offset):
+        r"""Run :func:`lnlib.rms_norm_forward` on the tensors' memory; save for backward.
+
+        Parameters
+        ----------
+        ctx : torch.autograd.function.FunctionCtx
+            Torch's context object, where the forward saves what the backward needs.
+        x : torch.Tensor, shape ``(*lead, *norm)``, floating, CPU or CUDA
+            Input (bfloat16 is computed in float32 and cast back).
+        weight : torch.Tensor of shape ``norm``, or None
+            Gain, on the device of ``x``.
+        normalized_ndim : int
+            How many trailing axes are normalized.
+        eps : float
+            Added to the mean square inside the square root.
+        *weight_offset : float
+            Zero or one number: the gain is ``weight_offset + weight``.
+
+        Returns
+        -------
+        y : torch.Tensor, shape and dtype of ``x``
+            The output.
+        rstd : torch.Tensor, shape ``lead``, float32 (float64 for float64 ``x``)
+            Reciprocal root mean square of each row (marked not differentiable).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.rms_norm_forward`; a CUDA tensor without CuPy installed.
+        """
         y, rstd = lnlib.rms_norm_forward(
             _to_array(x), _to_array(weight), eps=eps, normalized_ndim=normalized_ndim,
             weight_offset=sum(weight_offset),
         )
         ctx.weight_offset = weight_offset
-        rstd_t = torch.from_numpy(rstd) if isinstance(rstd, np.ndarray) else torch.from_dlpack(rstd)
+        rstd_t = _stat_tensor(rstd)
         ctx.save_for_backward(x, weight, rstd_t)
         ctx.mark_non_differentiable(rstd_t)
         return _to_tensor(y, x), rstd_t
 
     @staticmethod
     @first_order_only
+    @_on_device_of_first
     def backward(ctx, dy, _drstd):
+        r"""Run :func:`lnlib.rms_norm_backward`; return the gradients torch asks for.
+
+        Parameters
+        ----------
+        ctx : torch.autograd.function.FunctionCtx
+            The context the forward filled.
+        dy : torch.Tensor, shape of ``x``
+            Gradient of the loss with respect to ``y``.
+        _drstd : torch.Tensor or None
+            Gradient with respect to ``rstd``: ignored (not differentiable).
+
+        Returns
+        -------
+        tuple
+            ``(dx, dweight, None, None[, None])``: one entry per forward input, None where
+            torch needs no gradient.
+
+        Raises
+        ------
+        RuntimeError
+            Called with grad mode on (``create_graph=True``): there is no double backward.
+        """
         x, weight, rstd = ctx.saved_tensors
         dx, dweight = lnlib.rms_norm_backward(
             _to_array(dy), _to_array(x), _to_array(rstd), _to_array(weight),
@@ -222,10 +366,12 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
     Parameters
     ----------
     x : torch.Tensor, shape ``(..., *normalized_shape)``, float16/bfloat16/float32/float64
+        Input, on the CPU or a CUDA device.
     normalized_shape : int or tuple of int
         The trailing axes to normalize over.
     weight, bias : torch.Tensor of shape ``normalized_shape`` or None
-    eps : float
+        Gain :math:`\gamma` and bias :math:`\beta`, on the device of ``x``.
+    eps : float, default 1e-5
         Added to the variance inside the square root.
     weight_offset : float, default 0.0
         Keyword only: the scale is ``weight_offset + weight`` (zero-centred gain with 1.0);
@@ -244,6 +390,10 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
     ValueError
         ``x`` does not end with ``normalized_shape``, or lnlib rejects the
         shapes of ``weight``/``bias``.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-torch-bridge`.
     """
     shape = _trailing_shape(x, normalized_shape)
     y, _, _ = LayerNormFunction.apply(x, weight, bias, len(shape), float(eps),
@@ -254,9 +404,37 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     r"""RMSNorm of a tensor through lnlib, like ``torch.nn.functional.rms_norm``.
 
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch. ``weight_offset``
-    (keyword only) makes the gain ``weight_offset + weight``, as in Gemma with 1.0.
-    Arguments, results and errors as in :func:`layer_norm`, without ``bias``.
+    Parameters
+    ----------
+    x : torch.Tensor, shape ``(..., *normalized_shape)``, float16/bfloat16/float32/float64
+        Input, on the CPU or a CUDA device.
+    normalized_shape : int or tuple of int
+        The trailing axes to normalize over.
+    weight : torch.Tensor of shape ``normalized_shape`` or None
+        Gain :math:`\gamma`, on the device of ``x``.
+    eps : float or None, default None
+        Added to the mean square inside the square root; ``None`` means
+        ``torch.finfo(x.dtype).eps``, as in PyTorch.
+    weight_offset : float, default 0.0
+        Keyword only: the gain is ``weight_offset + weight`` (Gemma's RMSNorm with 1.0).
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape and dtype as ``x``; differentiable (once) with respect to ``x`` and
+        ``weight``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a floating tensor.
+    ValueError
+        ``x`` does not end with ``normalized_shape``, or lnlib rejects the shape of
+        ``weight``.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-torch-bridge`.
     """
     shape = _trailing_shape(x, normalized_shape)
     if eps is None:
@@ -271,11 +449,14 @@ class LayerNorm(nn.Module):
     Parameters
     ----------
     normalized_shape : int or tuple of int
+        The trailing axes to normalize over.
     eps : float, default 1e-5
+        Added to the variance inside the square root.
     elementwise_affine : bool, default True
         Learn ``weight`` (initialised to ones) and, if ``bias``, ``bias``
         (initialised to zeros).
     bias : bool, default True
+        Whether to learn a bias (with ``elementwise_affine``).
     device, dtype
         As for the parameters of ``torch.nn.LayerNorm``.
     weight_offset : float, default 0.0
@@ -283,7 +464,9 @@ class LayerNorm(nn.Module):
         ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``), so the
         layer starts as the identity on normalized input whatever the offset.
 
-    Book: Chapter 5, "A torch bridge".
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -307,16 +490,49 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def reset_parameters(self):
+        """Reset the parameters to their initial values, as ``torch.nn`` layers do.
+
+        The weight becomes ``1 - weight_offset`` (ones by default), a bias zeros; in place.
+
+        Returns
+        -------
+        None
+            The parameters are changed in place.
+        """
         if self.weight is not None:
             nn.init.constant_(self.weight, 1.0 - self.weight_offset)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
     def forward(self, x):
+        r"""Compute the layer on ``x`` with :func:`layer_norm`.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input, floating, on the device of the parameters (CPU or CUDA).
+
+        Returns
+        -------
+        torch.Tensor
+            Shape and dtype of ``x``; differentiable (once).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`layer_norm`.
+        """
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
                           weight_offset=self.weight_offset)
 
     def extra_repr(self):
+        """The constructor arguments shown by ``repr(module)``, as in ``torch.nn.LayerNorm``.
+
+        Returns
+        -------
+        str
+            E.g. the normalized shape, ``eps`` and whether parameters are learned.
+        """
         return (f"{self.normalized_shape}, eps={self.eps}, "
                 f"elementwise_affine={self.elementwise_affine}")
 
@@ -327,6 +543,7 @@ class RMSNorm(nn.Module):
     Parameters
     ----------
     normalized_shape : int or tuple of int
+        The trailing axes to normalize over.
     eps : float or None, default None
         ``None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch.
     elementwise_affine : bool, default True
@@ -337,7 +554,9 @@ class RMSNorm(nn.Module):
         Keyword only. The gain is ``weight_offset + weight``: with 1.0 the weight starts at
         zero, as in Gemma's RMSNorm.
 
-    Book: Chapter 5, "A torch bridge".
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
@@ -355,14 +574,47 @@ class RMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def reset_parameters(self):
+        """Reset the parameters to their initial values, as ``torch.nn`` layers do.
+
+        The weight becomes ``1 - weight_offset`` (ones by default); in place.
+
+        Returns
+        -------
+        None
+            The parameters are changed in place.
+        """
         if self.weight is not None:
             nn.init.constant_(self.weight, 1.0 - self.weight_offset)
 
     def forward(self, x):
+        r"""Compute the layer on ``x`` with :func:`rms_norm`.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input, floating, on the device of the parameters (CPU or CUDA).
+
+        Returns
+        -------
+        torch.Tensor
+            Shape and dtype of ``x``; differentiable (once).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`rms_norm`.
+        """
         return rms_norm(x, self.normalized_shape, self.weight, self.eps,
                         weight_offset=self.weight_offset)
 
     def extra_repr(self):
+        """The constructor arguments shown by ``repr(module)``, as in ``torch.nn.RMSNorm``.
+
+        Returns
+        -------
+        str
+            E.g. the normalized shape, ``eps`` and whether parameters are learned.
+        """
         return (f"{self.normalized_shape}, eps={self.eps}, "
                 f"elementwise_affine={self.elementwise_affine}")
 
@@ -373,10 +625,6 @@ __all__ += ["DynamicTanh", "DynamicTanhFunction", "GroupNorm", "GroupNormFunctio
             "dynamic_tanh", "group_norm"]
 
 
-def _stat_tensor(a):
-    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
-
-
 class GroupNormFunction(torch.autograd.Function):
     r"""Autograd function for GroupNorm whose forward and backward are lnlib's.
 
@@ -384,10 +632,43 @@ class GroupNormFunction(torch.autograd.Function):
     :func:`lnlib.group_norm_forward` and saves ``x``, ``mean`` and ``rstd`` (shape (N, G))
     for :func:`lnlib.group_norm_backward`. ``weight`` and ``bias`` may be ``None``. Not twice
     differentiable.
+
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "The family by axes"; the bridge in
+    :ref:`sec-ch05-torch-bridge`.
     """
 
     @staticmethod
+    @_on_device_of_first
     def forward(ctx, x, num_groups, weight, bias, eps):
+        r"""Run :func:`lnlib.group_norm_forward` on the tensors' memory; save for backward.
+
+        Parameters
+        ----------
+        ctx : torch.autograd.function.FunctionCtx
+            Torch's context object, where the forward saves what the backward needs.
+        x : torch.Tensor, shape ``(N, C, *spatial)``, floating, CPU or CUDA
+            Input (bfloat16 is computed in float32 and cast back).
+        num_groups : int
+            G, a divisor of C.
+        weight, bias : torch.Tensor of shape ``(C,)``, or None
+            Per-channel gain and bias, on the device of ``x``.
+        eps : float
+            Added to the variance inside the square root.
+
+        Returns
+        -------
+        y : torch.Tensor, shape and dtype of ``x``
+            The output.
+        mean, rstd : torch.Tensor, shape ``(N, G)``
+            Statistics of each group (marked not differentiable).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.group_norm_forward`; a CUDA tensor without CuPy installed.
+        """
         y, mean, rstd = lnlib.group_norm_forward(
             _to_array(x), num_groups, _to_array(weight), _to_array(bias), eps=eps)
         mean_t, rstd_t = _stat_tensor(mean), _stat_tensor(rstd)
@@ -398,7 +679,30 @@ class GroupNormFunction(torch.autograd.Function):
 
     @staticmethod
     @first_order_only
+    @_on_device_of_first
     def backward(ctx, dy, _dmean, _drstd):
+        r"""Run :func:`lnlib.group_norm_backward`; return the gradients torch asks for.
+
+        Parameters
+        ----------
+        ctx : torch.autograd.function.FunctionCtx
+            The context the forward filled.
+        dy : torch.Tensor, shape of ``x``
+            Gradient of the loss with respect to ``y``.
+        _dmean, _drstd : torch.Tensor or None
+            Gradients with respect to ``mean`` and ``rstd``: ignored (not differentiable).
+
+        Returns
+        -------
+        tuple
+            ``(dx, None, dweight, dbias, None)``: one entry per forward input, None where
+            torch needs no gradient.
+
+        Raises
+        ------
+        RuntimeError
+            Called with grad mode on (``create_graph=True``): there is no double backward.
+        """
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = lnlib.group_norm_backward(
             _to_array(dy), _to_array(x), _to_array(mean), _to_array(rstd), ctx.num_groups,
@@ -420,10 +724,39 @@ class DynamicTanhFunction(torch.autograd.Function):
     :math:`y = \gamma \odot \tanh(\alpha x) + \beta` with :func:`lnlib.dynamic_tanh`;
     ``alpha`` is a 0-d tensor; ``weight`` and ``bias`` may be ``None``. Not twice
     differentiable.
+
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh"; the
+    bridge in :ref:`sec-ch05-torch-bridge`.
     """
 
     @staticmethod
+    @_on_device_of_first
     def forward(ctx, x, alpha, weight, bias):
+        r"""Run :func:`lnlib.dynamic_tanh` on the tensors' memory; save for the backward.
+
+        Parameters
+        ----------
+        ctx : torch.autograd.function.FunctionCtx
+            Torch's context object, where the forward saves what the backward needs.
+        x : torch.Tensor, shape ``(..., D)``, floating, CPU or CUDA
+            Input (bfloat16 is computed in float32 and cast back).
+        alpha : torch.Tensor, 0-d
+            The scalar :math:`\alpha`.
+        weight, bias : torch.Tensor of shape ``(D,)``, or None
+            Gain and bias, on the device of ``x``.
+
+        Returns
+        -------
+        y : torch.Tensor, shape and dtype of ``x``
+            :math:`\gamma \odot \tanh(\alpha x) + \beta`.
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`lnlib.dynamic_tanh`; a CUDA tensor without CuPy installed.
+        """
         y = lnlib.dynamic_tanh(_to_array(x), _to_array(alpha), _to_array(weight),
                                _to_array(bias))
         ctx.save_for_backward(x, alpha, weight)
@@ -432,7 +765,27 @@ class DynamicTanhFunction(torch.autograd.Function):
 
     @staticmethod
     @first_order_only
+    @_on_device_of_first
     def backward(ctx, dy):
+        r"""Run :func:`lnlib.dynamic_tanh_backward`; return the gradients torch asks for.
+
+        Parameters
+        ----------
+        ctx : torch.autograd.function.FunctionCtx
+            The context the forward filled.
+        dy : torch.Tensor, shape of ``x``
+            Gradient of the loss with respect to ``y``.
+
+        Returns
+        -------
+        tuple
+            ``(dx, dalpha, dweight, dbias)``, None where torch needs no gradient.
+
+        Raises
+        ------
+        RuntimeError
+            Called with grad mode on (``create_graph=True``): there is no double backward.
+        """
         x, alpha, weight = ctx.saved_tensors
         dx, dalpha, dweight, dbias = lnlib.dynamic_tanh_backward(
             _to_array(dy), _to_array(x), _to_array(alpha), _to_array(weight))
@@ -454,10 +807,13 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     Parameters
     ----------
     x : torch.Tensor, shape ``(N, C, *spatial)``, float16/bfloat16/float32/float64
+        Input, on the CPU or a CUDA device.
     num_groups : int
-        A divisor of C.
+        G, a divisor of C.
     weight, bias : torch.Tensor of shape (C,) or None
-    eps : float
+        Per-channel gain and bias, on the device of ``x``.
+    eps : float, default 1e-5
+        Added to the variance inside the square root.
 
     Returns
     -------
@@ -469,7 +825,10 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     TypeError, ValueError
         As :func:`lnlib.group_norm_forward`.
 
-    Book: Chapter 4, "The family by axes".
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "The family by axes"; the bridge in
+    :ref:`sec-ch05-torch-bridge`.
     """
     _check_tensor("x", x)
     y, _, _ = GroupNormFunction.apply(x, num_groups, weight, bias, float(eps))
@@ -481,18 +840,28 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
 
     Parameters
     ----------
-    x : torch.Tensor, shape ``(..., D)``
+    x : torch.Tensor, shape ``(..., D)``, floating
+        Input, on the CPU or a CUDA device.
     alpha : torch.Tensor (0-d) or float
-        A float is a constant (no gradient).
+        The scalar :math:`\alpha`; a float is a constant (no gradient).
     weight, bias : torch.Tensor of shape (D,) or None
+        Gain and bias along the last axis, on the device of ``x``.
 
     Returns
     -------
-    torch.Tensor
+    y : torch.Tensor
         Shape and dtype of ``x``; differentiable with respect to ``x``, ``alpha`` (a tensor),
         ``weight`` and ``bias``.
 
-    Book: Chapter 4, "Without normalization".
+    Raises
+    ------
+    TypeError, ValueError
+        ``x`` not a floating tensor; otherwise as :func:`lnlib.dynamic_tanh`.
+
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh"; the
+    bridge in :ref:`sec-ch05-torch-bridge`.
     """
     _check_tensor("x", x)
     if not isinstance(alpha, torch.Tensor):
@@ -506,13 +875,17 @@ class GroupNorm(nn.Module):
     Parameters
     ----------
     num_groups, num_channels : int
+        G and C; G must divide C.
     eps : float, default 1e-5
+        Added to the variance inside the square root.
     affine : bool, default True
         Learn a per-channel ``weight`` (ones) and ``bias`` (zeros).
     device, dtype
         As for the parameters of ``torch.nn.GroupNorm``.
 
-    Book: Chapter 4, "The family by axes".
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "The family by axes".
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None,
@@ -532,9 +905,33 @@ class GroupNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x):
+        r"""Compute the layer on ``x`` with :func:`group_norm`.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input, floating, on the device of the parameters (CPU or CUDA).
+
+        Returns
+        -------
+        torch.Tensor
+            Shape and dtype of ``x``; differentiable (once).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`group_norm`.
+        """
         return group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
 
     def extra_repr(self):
+        """The constructor arguments shown by ``repr(module)``, as in ``torch.nn.GroupNorm``.
+
+        Returns
+        -------
+        str
+            E.g. the normalized shape, ``eps`` and whether parameters are learned.
+        """
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
 
 
@@ -552,7 +949,9 @@ class DynamicTanh(nn.Module):
     device, dtype
         For the parameters.
 
-    Book: Chapter 4, "Without normalization".
+    Notes
+    -----
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
     """
 
     def __init__(self, normalized_shape, alpha_init_value=0.5, elementwise_affine=True,
@@ -570,7 +969,31 @@ class DynamicTanh(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x):
+        r"""Compute the layer on ``x`` with :func:`dynamic_tanh`.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Input, floating, on the device of the parameters (CPU or CUDA).
+
+        Returns
+        -------
+        torch.Tensor
+            Shape and dtype of ``x``; differentiable (once).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`dynamic_tanh`.
+        """
         return dynamic_tanh(x, self.alpha, self.weight, self.bias)
 
     def extra_repr(self):
+        """The constructor arguments shown by ``repr(module)``, as in DyT's reference code.
+
+        Returns
+        -------
+        str
+            E.g. the normalized shape, ``eps`` and whether parameters are learned.
+        """
         return f"{self.normalized_shape}, elementwise_affine={self.elementwise_affine}"
