@@ -19,7 +19,7 @@ def load_benchmark(name: str = "cpu_layer_norm") -> dict:
     ``cpu_layer_norm`` is the output of
     ``python -m lnlib.bench --steps --out lnlib/data/cpu_layer_norm.json``: the machine it
     ran on, the memory-copy bandwidth, lnlib against ``torch.nn.functional.layer_norm`` and
-    the time of each optimisation step, as written by :mod:`lnlib.bench`.
+    the time of each optimisation step, as written by ``lnlib.bench``.
 
     Parameters
     ----------
@@ -35,10 +35,6 @@ def load_benchmark(name: str = "cpu_layer_norm") -> dict:
     ------
     ValueError
         If `name` is not one of ``BENCHMARKS``.
-
-    See Also
-    --------
-    lnlib.bench : the benchmark that writes these results.
 
     Notes
     -----
