@@ -245,7 +245,7 @@ def use_implementation(name):
         float64 NumPy input where it is available, the NumPy fast path otherwise, the CUDA
         kernels (or the reference) for CuPy input. ``"kernel"``: the compiled C kernel.
         ``"numpy"``: the blocked NumPy fast path. ``"reference"``: the readable formulas of
-        :mod:`lnlib.reference` (NumPy or CuPy). ``"cuda"``: the CUDA kernels (CuPy input).
+        ``lnlib.reference`` (NumPy or CuPy). ``"cuda"``: the CUDA kernels (CuPy input).
 
     Yields
     ------
@@ -265,7 +265,7 @@ def use_implementation(name):
 
     Notes
     -----
-    The setting is per thread (a :mod:`contextvars` variable) and nests. Every
+    The setting is per thread (a ``contextvars`` variable) and nests. Every
     implementation computes the same quantities and is tested against the reference; they
     differ in speed and in the last bits. Covered in :ref:`sec-ch05-performance`, which
     compares them.

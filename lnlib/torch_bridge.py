@@ -156,7 +156,7 @@ class LayerNormFunction(torch.autograd.Function):
     (:math:`o` = ``weight_offset``, default 0) over the last ``normalized_ndim`` axes, saving
     ``x``, ``mean`` and ``rstd`` for the backward. ``weight`` and ``bias`` may be ``None``.
     Not twice differentiable: a backward with ``create_graph=True`` raises ``RuntimeError``
-    (see :func:`first_order_only`).
+    (see ``lnlib.torch_bridge.first_order_only``).
 
     Notes
     -----
@@ -257,7 +257,7 @@ class RMSNormFunction(torch.autograd.Function):
         y = \frac{x}{\sqrt{\overline{x^2} + \epsilon}} \odot (o + \gamma)
 
     over the last ``normalized_ndim`` axes, saving ``x`` and ``rstd``.
-    ``weight`` may be ``None``. Not twice differentiable (see :func:`first_order_only`).
+    ``weight`` may be ``None``. Not twice differentiable (see ``first_order_only``).
 
     Notes
     -----
