@@ -56,7 +56,7 @@ if [ "${GPU_CHECK_COMPILE:-1}" != 0 ]; then  # GPU_CHECK_COMPILE=0 skips it (CPU
         env LNLIB_CUDA_REPORT=1 $PY -m pytest tests/test_cuda_compile.py -q -s -p no:cacheprovider
 fi
 step "GPU tests (LNLIB_REQUIRE_GPU=1)" test_gpu.log \
-    env LNLIB_REQUIRE_GPU=1 $PY -m pytest tests/test_gpu.py -q -rs -p no:cacheprovider
+    env LNLIB_REQUIRE_GPU=1 $PY -m pytest tests/test_gpu.py tests/test_torch_bridge_gpu.py -q -rs -p no:cacheprovider
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for tool in memcheck racecheck; do
     step "compute-sanitizer $tool" "$tool.log" \
