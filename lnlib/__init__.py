@@ -8,8 +8,14 @@ Importing lnlib needs NumPy only; torch, CuPy and matplotlib are imported where 
 """
 
 from ._backend import show_config, use_implementation
-from .ada_norm import (ada_layer_norm, ada_layer_norm_backward, ada_layer_norm_forward,
-                       adaln_modulation, adaln_modulation_backward, adaln_zero_init)
+from .ada_norm import (
+    ada_layer_norm,
+    ada_layer_norm_backward,
+    ada_layer_norm_forward,
+    adaln_modulation,
+    adaln_modulation_backward,
+    adaln_zero_init,
+)
 from .batch_norm import batch_norm, batch_norm_backward, batch_norm_forward
 from .dynamic_tanh import dynamic_tanh, dynamic_tanh_backward
 from .gradcheck import check_grad, numerical_grad
@@ -21,14 +27,34 @@ from .rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
 __version__ = "0.1.0"
 
 __all__ = [
-    "layer_norm", "layer_norm_forward", "layer_norm_backward",
-    "rms_norm", "rms_norm_forward", "rms_norm_backward",
-    "ada_layer_norm", "ada_layer_norm_forward", "ada_layer_norm_backward",
-    "adaln_modulation", "adaln_modulation_backward", "adaln_zero_init",
-    "batch_norm", "batch_norm_forward", "batch_norm_backward",
-    "group_norm", "group_norm_forward", "group_norm_backward",
-    "dynamic_tanh", "dynamic_tanh_backward",
-    "LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh",
-    "numerical_grad", "check_grad",
-    "use_implementation", "show_config",
+    "layer_norm",
+    "layer_norm_forward",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_forward",
+    "rms_norm_backward",
+    "ada_layer_norm",
+    "ada_layer_norm_forward",
+    "ada_layer_norm_backward",
+    "adaln_modulation",
+    "adaln_modulation_backward",
+    "adaln_zero_init",
+    "batch_norm",
+    "batch_norm_forward",
+    "batch_norm_backward",
+    "group_norm",
+    "group_norm_forward",
+    "group_norm_backward",
+    "dynamic_tanh",
+    "dynamic_tanh_backward",
+    "LayerNorm",
+    "RMSNorm",
+    "AdaLN",
+    "BatchNorm",
+    "GroupNorm",
+    "DynamicTanh",
+    "numerical_grad",
+    "check_grad",
+    "use_implementation",
+    "show_config",
 ]

@@ -69,19 +69,41 @@ _forced = contextvars.ContextVar("lnlib_implementation", default="auto")
 
 def register(name, module, *, array_module, dtypes, description, attr="{op}_rows"):
     """Add an implementation under ``name`` (one line per device or variant)."""
-    _REGISTRY[name] = _Implementation(name, module, attr, array_module,
-                                      tuple(np.dtype(d) for d in dtypes), description)
+    _REGISTRY[name] = _Implementation(
+        name, module, attr, array_module, tuple(np.dtype(d) for d in dtypes), description
+    )
 
 
-register("kernel", "lnlib._cpu.kernels", array_module="numpy", dtypes=(_F32, _F64),
-         description="compiled C kernel (lnlib/kernels/norms_cpu.c)")
-register("numpy", "lnlib._cpu.numpy_rows", array_module="numpy", dtypes=(_F16, _F32, _F64),
-         description="blocked, threaded NumPy fast path")
-register("reference", "lnlib.reference", array_module="any", dtypes=(_F16, _F32, _F64),
-         description="readable formulas of lnlib.reference", attr="{op}")
+register(
+    "kernel",
+    "lnlib._cpu.kernels",
+    array_module="numpy",
+    dtypes=(_F32, _F64),
+    description="compiled C kernel (lnlib/kernels/norms_cpu.c)",
+)
+register(
+    "numpy",
+    "lnlib._cpu.numpy_rows",
+    array_module="numpy",
+    dtypes=(_F16, _F32, _F64),
+    description="blocked, threaded NumPy fast path",
+)
+register(
+    "reference",
+    "lnlib.reference",
+    array_module="any",
+    dtypes=(_F16, _F32, _F64),
+    description="readable formulas of lnlib.reference",
+    attr="{op}",
+)
 # The CUDA kernels: a module with available() -> (bool, reason) and the <op>_rows functions.
-register("cuda", "lnlib._cuda.rows", array_module="cupy", dtypes=(_F16, _F32, _F64),
-         description="CUDA kernels through CuPy")
+register(
+    "cuda",
+    "lnlib._cuda.rows",
+    array_module="cupy",
+    dtypes=(_F16, _F32, _F64),
+    description="CUDA kernels through CuPy",
+)
 #: Names :func:`use_implementation` accepts.
 NAMES = ("auto", "kernel", "numpy", "reference", "cuda")
 
@@ -187,11 +209,15 @@ def _forced_function(name, op, xp_name, dtype):
     impl = _REGISTRY[name]
     where = f"lnlib.use_implementation({name!r}) is in force but"
     if impl.array_module not in ("any", xp_name):
-        raise TypeError(f"{where} it runs on {impl.array_module} arrays and x is a "
-                        f"{xp_name} array; use 'auto' or one for {xp_name} arrays")
+        raise TypeError(
+            f"{where} it runs on {impl.array_module} arrays and x is a "
+            f"{xp_name} array; use 'auto' or one for {xp_name} arrays"
+        )
     if dtype not in impl.dtypes:
-        raise TypeError(f"{where} it takes {', '.join(d.name for d in impl.dtypes)} and x is "
-                        f"{dtype.name}; use 'auto' or 'numpy'")
+        raise TypeError(
+            f"{where} it takes {', '.join(d.name for d in impl.dtypes)} and x is "
+            f"{dtype.name}; use 'auto' or 'numpy'"
+        )
     usable, reason = _usable(impl)
     if not usable:
         raise RuntimeError(f"{where} it is not available here: {reason}")
@@ -313,8 +339,11 @@ def show_config(*, file=None):
         except ValueError as exc:  # a bad LNLIB_CPU_KERNEL
             usable, reason = False, str(exc)
         config["implementations"][impl.name] = {
-            "available": bool(usable), "reason": reason, "description": impl.description,
-            "dtypes": [d.name for d in impl.dtypes], "array_module": impl.array_module,
+            "available": bool(usable),
+            "reason": reason,
+            "description": impl.description,
+            "dtypes": [d.name for d in impl.dtypes],
+            "array_module": impl.array_module,
         }
     if file is not False:
         lines = [f"lnlib implementation in force: {config['forced']}"]

@@ -158,7 +158,8 @@ def sum_to_shape(a, shape, dtype=None):
     shape = tuple(shape)
     lead = a.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(
-        lead + i for i, n in enumerate(shape) if n == 1 and a.shape[lead + i] != 1)
+        lead + i for i, n in enumerate(shape) if n == 1 and a.shape[lead + i] != 1
+    )
     if not axes:
         return a.astype(a.dtype if dtype is None else dtype, copy=True)
     return a.sum(axis=axes, dtype=dtype).reshape(shape)

@@ -17,15 +17,18 @@ def float_array(a, name, xp):
     Array-likes (lists, scalars) are converted; arrays are returned as they are, never copied.
     """
     if isinstance(a, np.ma.MaskedArray):
-        raise TypeError(f"{name} is a masked array (numpy.ma), which lnlib does not support: "
-                        f"its mask would be ignored; pass {name}.filled(value) or the unmasked "
-                        "values instead")
+        raise TypeError(
+            f"{name} is a masked array (numpy.ma), which lnlib does not support: "
+            f"its mask would be ignored; pass {name}.filled(value) or the unmasked "
+            "values instead"
+        )
     if not isinstance(a, xp.ndarray):
         try:
             a = xp.asarray(a)
         except Exception as exc:  # noqa: BLE001 - any failure means "not an array"
-            raise TypeError(f"{name} must be a floating-point array, "
-                            f"got {type(a).__name__}") from exc
+            raise TypeError(
+                f"{name} must be a floating-point array, got {type(a).__name__}"
+            ) from exc
     if a.dtype.kind == "f" and not a.dtype.isnative and a.dtype.newbyteorder("=") in _FLOATS:
         # Data in the other byte order (read from a file, say): the same values, converted.
         return a.astype(a.dtype.newbyteorder("="))
@@ -42,8 +45,9 @@ def optional_param(a, name, shape, xp):
         return None
     a = float_array(a, name, xp)
     if a.shape != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} (the normalized axes of x), "
-                         f"got {a.shape}")
+        raise ValueError(
+            f"{name} must have shape {tuple(shape)} (the normalized axes of x), got {a.shape}"
+        )
     return a
 
 
@@ -54,8 +58,10 @@ def eps_value(eps):
     try:
         eps = float(eps)
     except OverflowError:
-        raise ValueError(f"eps must be finite and >= 0, got an integer of {len(str(abs(eps)))} "
-                         "digits, too large for a float") from None
+        raise ValueError(
+            f"eps must be finite and >= 0, got an integer of {len(str(abs(eps)))} "
+            "digits, too large for a float"
+        ) from None
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return eps
@@ -68,13 +74,16 @@ def weight_offset_value(offset, weight):
     try:
         offset = float(offset)
     except OverflowError:
-        raise ValueError("weight_offset must be finite, got an integer too large for a float") \
-            from None
+        raise ValueError(
+            "weight_offset must be finite, got an integer too large for a float"
+        ) from None
     if not math.isfinite(offset):
         raise ValueError(f"weight_offset must be finite, got {offset}")
     if offset and weight is None:
-        raise ValueError(f"weight_offset={offset} needs a weight: the scale is weight_offset + "
-                         "weight, and weight is None (pass a weight, e.g. zeros)")
+        raise ValueError(
+            f"weight_offset={offset} needs a weight: the scale is weight_offset + "
+            "weight, and weight is None (pass a weight, e.g. zeros)"
+        )
     return offset
 
 
@@ -95,8 +104,9 @@ def normalized_axes(shape, k):
     """Shape of the last ``k`` axes; raises ``ValueError`` if one of them is empty."""
     tail = tuple(shape[len(shape) - k :])
     if 0 in tail:
-        raise ValueError(f"x has an empty normalized axis: the last {k} axes of x have "
-                         f"shape {tail}")
+        raise ValueError(
+            f"x has an empty normalized axis: the last {k} axes of x have shape {tail}"
+        )
     return tail
 
 
@@ -152,8 +162,9 @@ def normalized_shape_value(normalized_shape):
 def shape_value(shape, name):
     """Return ``shape`` as a tuple of non-negative ints, or raise naming ``name``."""
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-        raise TypeError(f"{name} must be a tuple of ints (a shape), got {type(shape).__name__} "
-                        f"{shape!r}")
+        raise TypeError(
+            f"{name} must be a tuple of ints (a shape), got {type(shape).__name__} {shape!r}"
+        )
     shape = tuple(shape)
     for n in shape:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:

@@ -186,8 +186,9 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     dy, x, (mean, rstd), k = check.backward_inputs(dy, x, xp, mean=mean, rstd=rstd)
     scale = check.float_array(scale, "scale", xp)
     check.broadcast_modulation(scale, "scale", x)
-    shift_shape = scale.shape if shift_shape is None else check.shape_value(shift_shape,
-                                                                           "shift_shape")
+    shift_shape = (
+        scale.shape if shift_shape is None else check.shape_value(shift_shape, "shift_shape")
+    )
     check.broadcast_modulation(np.empty(shift_shape, dtype=np.int8), "shift_shape", x)
     backward_rows = select("layer_norm_backward", xp, x.dtype)
     acc = accumulation_dtype(x.dtype)
@@ -199,8 +200,9 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     for idx in _blocks(mean.shape, x.size // max(1, mean.size)):
         x_b, dy_b, s_idx = x[idx], dy[idx], _broadcast_index(idx, scale.shape)
         g = dy_b * (1 + scale[s_idx].astype(acc))  # (n, D): the LayerNorm dy
-        dx[idx] = backward_rows(as_rows(g, k), as_rows(x_b, k), mean[idx].reshape(-1),
-                                rstd[idx].reshape(-1), None)[0].reshape(x_b.shape)
+        dx[idx] = backward_rows(
+            as_rows(g, k), as_rows(x_b, k), mean[idx].reshape(-1), rstd[idx].reshape(-1), None
+        )[0].reshape(x_b.shape)
         xhat = x_b.astype(acc)  # (n, D)
         xhat -= expand_stat(mean[idx], k)
         xhat *= expand_stat(rstd[idx], k)
@@ -234,8 +236,9 @@ def _blocks(lead, row_size):
 
 def _broadcast_index(idx, shape):
     """The index into an array of ``shape`` (broadcast against x) matching ``idx`` into x."""
-    return tuple((0 if isinstance(i, int) else slice(None)) if n == 1 else i
-                 for i, n in zip(idx, shape))
+    return tuple(
+        (0 if isinstance(i, int) else slice(None)) if n == 1 else i for i, n in zip(idx, shape)
+    )
 
 
 def _silu(c):
@@ -321,10 +324,11 @@ def adaln_modulation_backward(doutputs, c, weight):
     xp = get_array_module(c=c, weight=weight)
     c = check.float_array(c, "c", xp)
     weight = check.float_array(weight, "weight", xp)
-    if isinstance(doutputs, (str, bytes)) or not hasattr(doutputs, "__len__") \
-            or len(doutputs) == 0:
-        raise ValueError("doutputs must be a non-empty sequence of gradients, one per chunk "
-                         f"(e.g. [dshift, dscale, dgate]), got {doutputs!r}")
+    if isinstance(doutputs, (str, bytes)) or not hasattr(doutputs, "__len__") or len(doutputs) == 0:
+        raise ValueError(
+            "doutputs must be a non-empty sequence of gradients, one per chunk "
+            f"(e.g. [dshift, dscale, dgate]), got {doutputs!r}"
+        )
     chunks = len(doutputs)
     d = weight.shape[-1] // chunks if weight.ndim == 2 else 0
     no_bias = xp.zeros(weight.shape[-1:], weight.dtype)

@@ -12,8 +12,9 @@ from .reference import layer_norm_dx
 __all__ = ["batch_norm", "batch_norm_forward", "batch_norm_backward"]
 
 
-def batch_norm(x, running_mean, running_var, weight=None, bias=None, *, training,
-               momentum=0.1, eps=1e-5):
+def batch_norm(
+    x, running_mean, running_var, weight=None, bias=None, *, training, momentum=0.1, eps=1e-5
+):
     r"""Batch normalization of ``x`` (N, C, ...); returns ``y`` only.
 
     .. math::
@@ -53,8 +54,9 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, *, training
     Same as ``batch_norm_forward(...)[0]``. Covered in :ref:`sec-ch01-batch-norm` and
     :ref:`sec-ch01-train-eval`.
     """
-    return batch_norm_forward(x, running_mean, running_var, weight, bias, training=training,
-                              momentum=momentum, eps=eps)[0]
+    return batch_norm_forward(
+        x, running_mean, running_var, weight, bias, training=training, momentum=momentum, eps=eps
+    )[0]
 
 
 def _channel_view(x):
@@ -78,8 +80,9 @@ def _running(a, name, channels, xp):
         raise TypeError(f"{name} must be an array (it is updated in place), got {type(a).__name__}")
     a = check.float_array(a, name, xp)
     if a.shape != (channels,):
-        raise ValueError(f"{name} must have shape ({channels},) (one value per channel), "
-                         f"got {a.shape}")
+        raise ValueError(
+            f"{name} must have shape ({channels},) (one value per channel), got {a.shape}"
+        )
     return a
 
 
@@ -87,8 +90,10 @@ def _writeable(a, name):
     """Running statistics are updated in place: refuse a read-only one before any update."""
     flags = getattr(a, "flags", None)
     if a is not None and not getattr(flags, "writeable", True):
-        raise ValueError(f"{name} is read-only, but training=True updates it in place; pass a "
-                         f"writeable array (e.g. {name}.copy()) or None")
+        raise ValueError(
+            f"{name} is read-only, but training=True updates it in place; pass a "
+            f"writeable array (e.g. {name}.copy()) or None"
+        )
 
 
 def _forward_args(x, running_mean, running_var, weight, bias, training, momentum, eps, xp):
@@ -106,12 +111,18 @@ def _forward_args(x, running_mean, running_var, weight, bias, training, momentum
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be arrays or both be None")
     if training:
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) \
-                or not 0 <= momentum <= 1 or not math.isfinite(momentum):
+        if (
+            isinstance(momentum, bool)
+            or not isinstance(momentum, numbers.Real)
+            or not 0 <= momentum <= 1
+            or not math.isfinite(momentum)
+        ):
             raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r:.40}")
         if x.size // channels < 2:
-            raise ValueError("batch_norm in training needs more than one value per channel, "
-                             f"got x of shape {x.shape}")
+            raise ValueError(
+                "batch_norm in training needs more than one value per channel, "
+                f"got x of shape {x.shape}"
+            )
         _writeable(running_mean, "running_mean")
         _writeable(running_var, "running_var")
     elif running_mean is None:
@@ -130,14 +141,16 @@ def _backward_args(dy, x, mean, rstd, weight, xp):
     rstd = check.float_array(rstd, "rstd", xp)
     for name, a in (("mean", mean), ("rstd", rstd)):
         if a.shape != (channels,):
-            raise ValueError(f"{name} must have shape ({channels},) (one value per channel of x), "
-                             f"got {a.shape}")
+            raise ValueError(
+                f"{name} must have shape ({channels},) (one value per channel of x), got {a.shape}"
+            )
     weight = check.optional_param(weight, "weight", (channels,), xp)
     return dy, x, mean, rstd, weight
 
 
-def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, training,
-                       momentum=0.1, eps=1e-5):
+def batch_norm_forward(
+    x, running_mean, running_var, weight=None, bias=None, *, training, momentum=0.1, eps=1e-5
+):
     r"""Batch normalization forward pass, like ``torch.nn.functional.batch_norm``.
 
     For ``x`` of shape ``(N, C, ...)`` each channel :math:`c` is normalized with statistics
@@ -200,10 +213,12 @@ def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *, 
     .. [1] S. Ioffe and C. Szegedy, "Batch Normalization: Accelerating Deep Network Training by
            Reducing Internal Covariate Shift", ICML 2015.
     """
-    xp = get_array_module(x=x, running_mean=running_mean, running_var=running_var,
-                          weight=weight, bias=bias)
+    xp = get_array_module(
+        x=x, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias
+    )
     x, running_mean, running_var, weight, bias, eps = _forward_args(
-        x, running_mean, running_var, weight, bias, training, momentum, eps, xp)
+        x, running_mean, running_var, weight, bias, training, momentum, eps, xp
+    )
     acc = accumulation_dtype(x.dtype)
     x3 = _channel_view(x)  # (N, C, L)
     if training:
@@ -295,8 +310,12 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     for b in _blocks(x3.shape):
         g = dy3[b].astype(acc) * w[:, None]  # (n, C, l)
         if training:
-            dx3[b] = layer_norm_dx(g, _xhat(x3[b], mean, rstd, acc), rstd[:, None],
-                                   means=tuple(v.astype(acc) for v in means))
+            dx3[b] = layer_norm_dx(
+                g,
+                _xhat(x3[b], mean, rstd, acc),
+                rstd[:, None],
+                means=tuple(v.astype(acc) for v in means),
+            )
         else:  # the running statistics are constants
             g *= rstd[:, None]
             dx3[b] = g

@@ -92,12 +92,17 @@ def copy_bandwidth(n_bytes, repeats, threads=None):
     pool = ThreadPoolExecutor(max_workers=threads)
 
     def threaded():
-        list(pool.map(lambda i: np.copyto(dst[bounds[i]:bounds[i + 1]],
-                                          src[bounds[i]:bounds[i + 1]]), range(threads)))
+        list(
+            pool.map(
+                lambda i: np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]]),
+                range(threads),
+            )
+        )
 
     try:
-        times = _median_times({"copy": lambda: np.copyto(dst, src), "copy_threads": threaded},
-                              repeats)
+        times = _median_times(
+            {"copy": lambda: np.copyto(dst, src), "copy_threads": threaded}, repeats
+        )
     finally:
         pool.shutdown()
     moved = 2 * src.nbytes
@@ -159,9 +164,13 @@ def contenders(shape, dtype, eps=1e-5, op="layer_norm"):
         F.layer_norm(xg, (h,), wg, bg, eps).backward(dyt)
         return xg.grad, wg.grad, bg.grad
 
-    return {"lnlib_fwd": lambda: lnlib.layer_norm_forward(x, weight, bias, eps=eps),
-            "torch_fwd": torch_fwd, "lnlib_fwdbwd": lnlib_fwdbwd, "torch_fwdbwd": torch_fwdbwd,
-            "lnlib_bwd": lambda: lnlib.layer_norm_backward(dy, x, *saved, weight)}
+    return {
+        "lnlib_fwd": lambda: lnlib.layer_norm_forward(x, weight, bias, eps=eps),
+        "torch_fwd": torch_fwd,
+        "lnlib_fwdbwd": lnlib_fwdbwd,
+        "torch_fwdbwd": torch_fwdbwd,
+        "lnlib_bwd": lambda: lnlib.layer_norm_backward(dy, x, *saved, weight),
+    }
 
 
 def _rms_norm_contenders(shape, dtype, eps):
@@ -175,8 +184,7 @@ def _rms_norm_contenders(shape, dtype, eps):
     rstd = lnlib.rms_norm_forward(x, weight, eps=eps)[1]  # (M,)
 
     def lnlib_fwdbwd():
-        return lnlib.rms_norm_backward(dy, x, lnlib.rms_norm_forward(x, weight, eps=eps)[1],
-                                       weight)
+        return lnlib.rms_norm_backward(dy, x, lnlib.rms_norm_forward(x, weight, eps=eps)[1], weight)
 
     def torch_fwd():
         with torch.no_grad():
@@ -188,9 +196,13 @@ def _rms_norm_contenders(shape, dtype, eps):
         F.rms_norm(xg, (h,), wg, eps).backward(dyt)
         return xg.grad, wg.grad
 
-    return {"lnlib_fwd": lambda: lnlib.rms_norm_forward(x, weight, eps=eps),
-            "torch_fwd": torch_fwd, "lnlib_fwdbwd": lnlib_fwdbwd, "torch_fwdbwd": torch_fwdbwd,
-            "lnlib_bwd": lambda: lnlib.rms_norm_backward(dy, x, rstd, weight)}
+    return {
+        "lnlib_fwd": lambda: lnlib.rms_norm_forward(x, weight, eps=eps),
+        "torch_fwd": torch_fwd,
+        "lnlib_fwdbwd": lnlib_fwdbwd,
+        "torch_fwdbwd": torch_fwdbwd,
+        "lnlib_bwd": lambda: lnlib.rms_norm_backward(dy, x, rstd, weight),
+    }
 
 
 def check(tasks, shape, dtype):
@@ -205,8 +217,10 @@ def check(tasks, shape, dtype):
     err_fwd = float(np.max(np.abs(y_l.astype(np.float64) - y_t)))
     err_bwd = float(np.max(np.abs(dx_l.astype(np.float64) - dx_t)))
     if not (err_fwd < tol and err_bwd < tol):
-        raise AssertionError(f"lnlib and torch disagree on {shape} {np.dtype(dtype).name}: "
-                             f"forward {err_fwd:.3g}, backward {err_bwd:.3g}")
+        raise AssertionError(
+            f"lnlib and torch disagree on {shape} {np.dtype(dtype).name}: "
+            f"forward {err_fwd:.3g}, backward {err_bwd:.3g}"
+        )
     return err_fwd, err_bwd
 
 
@@ -222,10 +236,14 @@ def report(shape, dtype, times, errors, copy_GBps, op="layer_norm"):
     bytes_fwd = 2 * m * h * item + stats
     bytes_fwdbwd = 5 * m * h * item + 2 * stats
     row = {
-        "op": op, "shape": [m, h], "dtype": np.dtype(dtype).name,
+        "op": op,
+        "shape": [m, h],
+        "dtype": np.dtype(dtype).name,
         "repeats": len(next(iter(times.values()))),
-        "max_abs_diff_fwd": errors[0], "max_abs_diff_dx": errors[1],
-        "bytes_fwd": bytes_fwd, "bytes_fwdbwd": bytes_fwdbwd,
+        "max_abs_diff_fwd": errors[0],
+        "max_abs_diff_dx": errors[1],
+        "bytes_fwd": bytes_fwd,
+        "bytes_fwdbwd": bytes_fwdbwd,
     }
     for k, v in med.items():
         row[f"{k}_s"] = v
@@ -258,14 +276,13 @@ def step_variants(x, weight, bias, eps):
     _forward_kernel = kernels.layer_norm_forward_rows
     m = x.shape[0]
     steps = [
-        ("reference (readable)",
-         lambda: reference.layer_norm_forward(x, weight, bias, eps=eps)),
-        ("fused, out= (1 thread)",
-         lambda: _forward_numpy(x, weight, bias, eps, block_rows=m, threads=1)),
-        ("row-blocked (1 thread)",
-         lambda: _forward_numpy(x, weight, bias, eps, threads=1)),
-        ("row-blocked + threads",
-         lambda: _forward_numpy(x, weight, bias, eps)),
+        ("reference (readable)", lambda: reference.layer_norm_forward(x, weight, bias, eps=eps)),
+        (
+            "fused, out= (1 thread)",
+            lambda: _forward_numpy(x, weight, bias, eps, block_rows=m, threads=1),
+        ),
+        ("row-blocked (1 thread)", lambda: _forward_numpy(x, weight, bias, eps, threads=1)),
+        ("row-blocked + threads", lambda: _forward_numpy(x, weight, bias, eps)),
     ]
     if kernels.available()[0] and x.dtype in (np.float32, np.float64):
         steps += [
@@ -303,12 +320,17 @@ def bench_steps(shape, dtype, repeats, copy_GBps, eps=1e-5):
     steps = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        steps.append({"step": name, "time_s": med, "GBps": nbytes / med / 1e9,
-                      "copy_fraction": nbytes / med / 1e9 / copy_GBps,
-                      "speedup_vs_reference": base / med,
-                      "max_abs_err_vs_reference": errors.get(name)})
-    return {"shape": [m, h], "dtype": np.dtype(dtype).name, "repeats": repeats,
-            "steps": steps}
+        steps.append(
+            {
+                "step": name,
+                "time_s": med,
+                "GBps": nbytes / med / 1e9,
+                "copy_fraction": nbytes / med / 1e9 / copy_GBps,
+                "speedup_vs_reference": base / med,
+                "max_abs_err_vs_reference": errors.get(name),
+            }
+        )
+    return {"shape": [m, h], "dtype": np.dtype(dtype).name, "repeats": repeats, "steps": steps}
 
 
 def _implementations():
@@ -333,8 +355,9 @@ def long_row_rstd_errors(log2_n, seed=0, eps=1e-5):
     for name in _implementations():
         with lnlib.use_implementation(name):
             got[name] = lnlib.layer_norm_forward(x, eps=eps)[2][0]
-    got["torch"] = torch.native_layer_norm(torch.from_numpy(x), (x.shape[1],), None, None,
-                                           eps)[2].item()
+    got["torch"] = torch.native_layer_norm(torch.from_numpy(x), (x.shape[1],), None, None, eps)[
+        2
+    ].item()
     return {k: abs(float(v) - exact) / exact for k, v in got.items()}
 
 
@@ -353,17 +376,21 @@ def long_column_dbias_errors(log2_m, dy_value=1.3, n=4, seed=0):
             got[name] = lnlib.layer_norm_backward(dy, x, mean, rstd)[2]
     bias = torch.zeros(n, requires_grad=True)
     torch.nn.functional.layer_norm(torch.from_numpy(x), (n,), None, bias).backward(
-        torch.from_numpy(dy))
+        torch.from_numpy(dy)
+    )
     got["torch"] = bias.grad.numpy()
     return {k: float(np.max(np.abs(v - exact) / np.abs(exact))) for k, v in got.items()}
 
 
 def accuracy(log2_lengths=(22, 24), log2_rows=20):
     """The accuracy figures of issue 8: long-row rstd and long-column dbias, float32."""
-    rows = [{"case": f"rstd, one row of 2^{k} values N(3, 1)", **long_row_rstd_errors(k)}
-            for k in log2_lengths]
-    rows.append({"case": f"dbias, 2^{log2_rows} rows of dy = 1.3",
-                 **long_column_dbias_errors(log2_rows)})
+    rows = [
+        {"case": f"rstd, one row of 2^{k} values N(3, 1)", **long_row_rstd_errors(k)}
+        for k in log2_lengths
+    ]
+    rows.append(
+        {"case": f"dbias, 2^{log2_rows} rows of dy = 1.3", **long_column_dbias_errors(log2_rows)}
+    )
     return rows
 
 
@@ -372,8 +399,9 @@ def format_accuracy(rows):
     names = [k for k in rows[0] if k != "case"]
     lines = [f"{'float32 relative error vs float64':<40}" + "".join(f"{n:>17}" for n in names)]
     for row in rows:
-        lines.append(f"{row['case']:<40}" + "".join(f"{row.get(n, float('nan')):17.2e}"
-                                                   for n in names))
+        lines.append(
+            f"{row['case']:<40}" + "".join(f"{row.get(n, float('nan')):17.2e}" for n in names)
+        )
     return "\n".join(lines)
 
 
@@ -381,10 +409,14 @@ def machine_info():
     import torch
 
     return {
-        "platform": platform.platform(), "processor": platform.processor(),
-        "python": platform.python_version(), "numpy": np.__version__,
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "cpu_threads": lnlib_cpu_threads(), "cpu_model": _cpu_model(),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_threads": lnlib_cpu_threads(),
+        "cpu_model": _cpu_model(),
         "lnlib_cpu_path": _cpu_path(),
     }
 
@@ -411,11 +443,15 @@ def _cpu_path():
 
 def format_table(results, copy):
     """The comparison as a plain-text table."""
-    head = (f"{'op':>10} {'shape':>12} {'dtype':>8} | {'pass':>7} {'lnlib ms':>9} "
-            f"{'torch ms':>9} {'speedup':>8} {'GB/s':>7} {'of bound':>8}")
-    copy_line = (f"memory copy (np.copyto): {copy['copy_GBps']:.2f} GB/s; "
-                 f"{copy['copy_threads']} threads: {copy['copy_threads_GBps']:.2f} GB/s; "
-                 f"bound = best copy: {copy['best_GBps']:.2f} GB/s")
+    head = (
+        f"{'op':>10} {'shape':>12} {'dtype':>8} | {'pass':>7} {'lnlib ms':>9} "
+        f"{'torch ms':>9} {'speedup':>8} {'GB/s':>7} {'of bound':>8}"
+    )
+    copy_line = (
+        f"memory copy (np.copyto): {copy['copy_GBps']:.2f} GB/s; "
+        f"{copy['copy_threads']} threads: {copy['copy_threads_GBps']:.2f} GB/s; "
+        f"bound = best copy: {copy['best_GBps']:.2f} GB/s"
+    )
     lines = [copy_line, head, "-" * len(head)]
     for r in results:
         shape = f"{r.get('op', 'layer_norm'):>10} " + "x".join(map(str, r["shape"])).rjust(12)
@@ -423,10 +459,13 @@ def format_table(results, copy):
             lines.append(
                 f"{shape} {r['dtype']:>8} | {label:>7} {r[f'lnlib_{kind}_s'] * 1e3:9.2f} "
                 f"{r[f'torch_{kind}_s'] * 1e3:9.2f} {r[f'{kind}_speedup']:7.2f}x "
-                f"{r[f'lnlib_{kind}_GBps']:7.2f} {r[f'lnlib_{kind}_copy_fraction']:7.0%}")
+                f"{r[f'lnlib_{kind}_GBps']:7.2f} {r[f'lnlib_{kind}_copy_fraction']:7.0%}"
+            )
         if "lnlib_bwd_s" in r:
-            lines.append(f"{shape} {r['dtype']:>8} | {'bwd':>7} {r['lnlib_bwd_s'] * 1e3:9.2f} "
-                         f"{'':>9} (lnlib backward alone, from saved mean and rstd)")
+            lines.append(
+                f"{shape} {r['dtype']:>8} | {'bwd':>7} {r['lnlib_bwd_s'] * 1e3:9.2f} "
+                f"{'':>9} (lnlib backward alone, from saved mean and rstd)"
+            )
     return "\n".join(lines)
 
 
@@ -435,14 +474,24 @@ def format_steps(steps_results):
     for s in steps_results:
         lines.append(f"steps on {'x'.join(map(str, s['shape']))} {s['dtype']}:")
         for st in s["steps"]:
-            lines.append(f"  {st['step']:<26} {st['time_s'] * 1e3:9.2f} ms "
-                         f"{st['GBps']:7.2f} GB/s {st['copy_fraction']:6.0%} of copy "
-                         f"{st['speedup_vs_reference']:6.2f}x")
+            lines.append(
+                f"  {st['step']:<26} {st['time_s'] * 1e3:9.2f} ms "
+                f"{st['GBps']:7.2f} GB/s {st['copy_fraction']:6.0%} of copy "
+                f"{st['speedup_vs_reference']:6.2f}x"
+            )
     return "\n".join(lines)
 
 
-def run(shapes, dtypes, repeats, *, steps=False, copy_bytes=1 << 28, copy_repeats=None,
-        ops=("layer_norm",)):
+def run(
+    shapes,
+    dtypes,
+    repeats,
+    *,
+    steps=False,
+    copy_bytes=1 << 28,
+    copy_repeats=None,
+    ops=("layer_norm",),
+):
     """Run the benchmark and return the results as a JSON-ready dict."""
     copy = copy_bandwidth(copy_bytes, copy_repeats or repeats)
     copy["best_GBps"] = max(copy["copy_GBps"], copy["copy_threads_GBps"])
@@ -450,11 +499,49 @@ def run(shapes, dtypes, repeats, *, steps=False, copy_bytes=1 << 28, copy_repeat
     for dtype in dtypes:
         for shape in shapes:
             for op in ops:
-                out["results"].append(
-                    bench_shape(shape, dtype, repeats, copy["best_GBps"], op=op))
+                out["results"].append(bench_shape(shape, dtype, repeats, copy["best_GBps"], op=op))
             if steps:
                 out["steps"].append(bench_steps(shape, dtype, repeats, copy["copy_GBps"]))
     return out
+
+
+def _parser():
+    """The command line of ``python -m lnlib.bench`` (``--gpu`` is handled before it)."""
+    p = argparse.ArgumentParser(prog="python -m lnlib.bench", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma-separated MxH (default {DEFAULT_SHAPES}; --quick: {QUICK_SHAPES})",
+    )
+    p.add_argument("--dtypes", default="float32", help="comma-separated (default float32)")
+    p.add_argument(
+        "--ops",
+        default="layer_norm",
+        help="comma-separated, of layer_norm and rms_norm (default layer_norm)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved repeats per contender (default 21; --quick: 3)",
+    )
+    p.add_argument(
+        "--steps",
+        action="store_true",
+        help="also time the successive optimisation steps of the forward",
+    )
+    p.add_argument("--out", default=None, help="write the results as JSON to this file")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small shapes, few repeats, a small copy: a smoke run of seconds",
+    )
+    p.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="only print the float32 accuracy on long rows and columns (issue 8)",
+    )
+    return p
 
 
 def main(argv=None):
@@ -463,21 +550,7 @@ def main(argv=None):
         from . import bench_gpu
 
         return bench_gpu.main([a for a in args if a != "--gpu"])
-    p = argparse.ArgumentParser(prog="python -m lnlib.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=None,
-                   help=f"comma-separated MxH (default {DEFAULT_SHAPES}; --quick: {QUICK_SHAPES})")
-    p.add_argument("--dtypes", default="float32", help="comma-separated (default float32)")
-    p.add_argument("--ops", default="layer_norm",
-                   help="comma-separated, of layer_norm and rms_norm (default layer_norm)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="interleaved repeats per contender (default 21; --quick: 3)")
-    p.add_argument("--steps", action="store_true",
-                   help="also time the successive optimisation steps of the forward")
-    p.add_argument("--out", default=None, help="write the results as JSON to this file")
-    p.add_argument("--quick", action="store_true",
-                   help="small shapes, few repeats, a small copy: a smoke run of seconds")
-    p.add_argument("--accuracy", action="store_true",
-                   help="only print the float32 accuracy on long rows and columns (issue 8)")
+    p = _parser()
     args = p.parse_args(argv)
     if args.accuracy:
         rows = accuracy()
@@ -497,8 +570,7 @@ def main(argv=None):
         p.error("--repeats: expected a positive number")
     copy_bytes = (1 << 26) if args.quick else (1 << 28)
     result = run(shapes, dtypes, repeats, steps=args.steps, copy_bytes=copy_bytes, ops=ops)
-    result["command"] = "python -m lnlib.bench " + " ".join(
-        sys.argv[1:] if argv is None else argv)
+    result["command"] = "python -m lnlib.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     print(format_table(result["results"], result["copy"]))
     if result["steps"]:
         print(format_steps(result["steps"]))

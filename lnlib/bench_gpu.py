@@ -73,6 +73,7 @@ def _contenders(cp, torch, op, x, w, b, dy):
     fwd_bytes = 2 * m * d * item + (2 if op == "layer_norm" else 1) * (d * item + m * acc)
     bwd_bytes = 3 * m * d * item + 2 * d * item + 2 * m * acc
     if op == "layer_norm":
+
         def ln_fwd():
             return lnlib.layer_norm_forward(x, w, b)
 
@@ -87,6 +88,7 @@ def _contenders(cp, torch, op, x, w, b, dy):
             y = F.layer_norm(xr, (d,), wr, br, 1e-5)
             return torch.autograd.grad(y, (xr, wr, br), dyt)
     else:
+
         def ln_fwd():
             return lnlib.rms_norm_forward(x, w)
 
@@ -100,9 +102,13 @@ def _contenders(cp, torch, op, x, w, b, dy):
         def t_fb():
             y = F.rms_norm(xr, (d,), wr, 1e-6)
             return torch.autograd.grad(y, (xr, wr), dyt)
-    return {("lnlib", "forward"): (ln_fwd, fwd_bytes), ("torch", "forward"): (t_fwd, fwd_bytes),
-            ("lnlib", "forward+backward"): (ln_fb, fwd_bytes + bwd_bytes),
-            ("torch", "forward+backward"): (t_fb, fwd_bytes + bwd_bytes)}
+
+    return {
+        ("lnlib", "forward"): (ln_fwd, fwd_bytes),
+        ("torch", "forward"): (t_fwd, fwd_bytes),
+        ("lnlib", "forward+backward"): (ln_fb, fwd_bytes + bwd_bytes),
+        ("torch", "forward+backward"): (t_fb, fwd_bytes + bwd_bytes),
+    }
 
 
 def _check(cp, torch, runs, dtype):
@@ -139,11 +145,21 @@ def bench_shape(cp, torch, op, d, dtype, repeats, calls, copy_gbps, rng):
     for kind in ("forward", "forward+backward"):
         ms = {who: statistics.median(times[(who, kind)]) for who in ("lnlib", "torch")}
         gbps = {who: runs[(who, kind)][1] / ms[who] / 1e6 for who in ms}
-        rows.append({"op": op, "pass": kind, "dtype": np.dtype(dtype).name, "M": m, "D": d,
-                     "lnlib_ms": ms["lnlib"], "torch_ms": ms["torch"],
-                     "lnlib_GBps": gbps["lnlib"], "torch_GBps": gbps["torch"],
-                     "copy_fraction": gbps["lnlib"] / copy_gbps,
-                     "speedup_vs_torch": ms["torch"] / ms["lnlib"]})
+        rows.append(
+            {
+                "op": op,
+                "pass": kind,
+                "dtype": np.dtype(dtype).name,
+                "M": m,
+                "D": d,
+                "lnlib_ms": ms["lnlib"],
+                "torch_ms": ms["torch"],
+                "lnlib_GBps": gbps["lnlib"],
+                "torch_GBps": gbps["torch"],
+                "copy_fraction": gbps["lnlib"] / copy_gbps,
+                "speedup_vs_torch": ms["torch"] / ms["lnlib"],
+            }
+        )
     return rows
 
 
@@ -153,8 +169,13 @@ def gpu_name(cp):
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def run(widths=WIDTHS, dtypes=("float32", "float16"), ops=("layer_norm", "rms_norm"),
-        repeats=15, calls=5):
+def run(
+    widths=WIDTHS,
+    dtypes=("float32", "float16"),
+    ops=("layer_norm", "rms_norm"),
+    repeats=15,
+    calls=5,
+):
     """Run the whole benchmark; returns the JSON-ready result."""
     import cupy as cp
     import torch
@@ -165,22 +186,41 @@ def run(widths=WIDTHS, dtypes=("float32", "float16"), ops=("layer_norm", "rms_no
     for dtype in dtypes:
         for op in ops:
             for d in widths:
-                results += bench_shape(cp, torch, op, d, np.dtype(dtype), repeats, calls,
-                                       copy_gbps, rng)
+                results += bench_shape(
+                    cp, torch, op, d, np.dtype(dtype), repeats, calls, copy_gbps, rng
+                )
                 print(format_rows(results[-2:], header=not results[:-2]), flush=True)
-    return {"gpu": gpu_name(cp), "cupy": cp.__version__, "torch": torch.__version__,
-            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "copy_GBps": copy_gbps,
-            "copy_bytes": COPY_BYTES, "elements_per_call": ELEMENTS, "repeats": repeats,
-            "calls_per_timing": calls, "results": results}
+    return {
+        "gpu": gpu_name(cp),
+        "cupy": cp.__version__,
+        "torch": torch.__version__,
+        "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+        "copy_GBps": copy_gbps,
+        "copy_bytes": COPY_BYTES,
+        "elements_per_call": ELEMENTS,
+        "repeats": repeats,
+        "calls_per_timing": calls,
+        "results": results,
+    }
 
 
 def format_rows(rows, header=True):
-    lines = [(f"{'op':<11}{'pass':<17}{'dtype':<8}{'D':>6}{'lnlib GB/s':>12}{'torch GB/s':>12}"
-             f"{'of copy':>9}{'vs torch':>9}")] if header else []
+    lines = (
+        [
+            (
+                f"{'op':<11}{'pass':<17}{'dtype':<8}{'D':>6}{'lnlib GB/s':>12}{'torch GB/s':>12}"
+                f"{'of copy':>9}{'vs torch':>9}"
+            )
+        ]
+        if header
+        else []
+    )
     for r in rows:
-        lines.append(f"{r['op']:<11}{r['pass']:<17}{r['dtype']:<8}{r['D']:>6}"
-                     f"{r['lnlib_GBps']:>12.0f}{r['torch_GBps']:>12.0f}"
-                     f"{100 * r['copy_fraction']:>8.0f}%{r['speedup_vs_torch']:>8.2f}x")
+        lines.append(
+            f"{r['op']:<11}{r['pass']:<17}{r['dtype']:<8}{r['D']:>6}"
+            f"{r['lnlib_GBps']:>12.0f}{r['torch_GBps']:>12.0f}"
+            f"{100 * r['copy_fraction']:>8.0f}%{r['speedup_vs_torch']:>8.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -190,23 +230,29 @@ def result_path(folder, gpu):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m lnlib.bench --gpu",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m lnlib.bench --gpu", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="comma-separated D")
     p.add_argument("--dtypes", default="float32,float16", help="comma-separated")
     p.add_argument("--repeats", type=int, default=15, help="interleaved repeats (median)")
     p.add_argument("--calls", type=int, default=5, help="calls per CUDA-event timing")
-    p.add_argument("--out-dir", default=str(DEFAULT_DIR),
-                   help="folder of the JSON result, named after the GPU "
-                        "(default: lnlib/data in the repository, else the current folder)")
+    p.add_argument(
+        "--out-dir",
+        default=str(DEFAULT_DIR),
+        help="folder of the JSON result, named after the GPU "
+        "(default: lnlib/data in the repository, else the current folder)",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1 or args.calls < 1:
         p.error("--repeats and --calls: expected positive numbers")
     widths = [int(w) for w in args.widths.split(",")]
-    result = run(widths, [d.strip() for d in args.dtypes.split(",")], repeats=args.repeats,
-                 calls=args.calls)
+    result = run(
+        widths, [d.strip() for d in args.dtypes.split(",")], repeats=args.repeats, calls=args.calls
+    )
     result["command"] = "python -m lnlib.bench --gpu " + " ".join(
-        sys.argv[1:] if argv is None else argv)
+        sys.argv[1:] if argv is None else argv
+    )
     print(f"copy: {result['copy_GBps']:.0f} GB/s on {result['gpu']}")
     path = result_path(args.out_dir, result["gpu"])
     path.parent.mkdir(parents=True, exist_ok=True)

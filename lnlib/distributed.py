@@ -220,17 +220,24 @@ def _agree(x, group, what, dy=None):
 
     names = {16: "float16", 32: "float32", 64: "float64", 0: "another dtype"}
     if any(t[0] != 2 for t in table):
-        raise ValueError(f"{what}: every rank must pass a 2-D (N, h) tensor; dimensions "
-                         f"({ranks(0)})")
+        raise ValueError(
+            f"{what}: every rank must pass a 2-D (N, h) tensor; dimensions ({ranks(0)})"
+        )
     if not all(t[4] for t in table):
-        raise ValueError(f"dy: must have the shape of x on every rank; it differs on rank(s) "
-                         f"{[r for r, t in enumerate(table) if not t[4]]}")
+        raise ValueError(
+            f"dy: must have the shape of x on every rank; it differs on rank(s) "
+            f"{[r for r, t in enumerate(table) if not t[4]]}"
+        )
     if len({t[1] for t in table}) > 1:
-        raise ValueError(f"{what}: the ranks hold different numbers of rows ({ranks(1)}); "
-                         "every rank must hold the same rows, split by columns")
+        raise ValueError(
+            f"{what}: the ranks hold different numbers of rows ({ranks(1)}); "
+            "every rank must hold the same rows, split by columns"
+        )
     if len({t[3] for t in table}) > 1:
-        raise ValueError(f"{what}: the ranks hold different dtypes ({ranks(3, names.get)}); "
-                         "every rank must use one dtype")
+        raise ValueError(
+            f"{what}: the ranks hold different dtypes ({ranks(3, names.get)}); "
+            "every rank must use one dtype"
+        )
     return [t[2] for t in table]
 
 
@@ -286,8 +293,11 @@ def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=Non
         y = y * weight.detach().cpu().numpy().astype(acc, copy=False)
     if bias is not None:
         y = y + bias.detach().cpu().numpy().astype(acc, copy=False)
-    return (torch.from_numpy(y.astype(xn.dtype, copy=False)),
-            torch.from_numpy(mean), torch.from_numpy(rstd))
+    return (
+        torch.from_numpy(y.astype(xn.dtype, copy=False)),
+        torch.from_numpy(mean),
+        torch.from_numpy(rstd),
+    )
 
 
 def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
@@ -337,9 +347,11 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
     dweight = np.einsum("ij,ij->j", dyn, xhat)  # (h,)
     dbias = dyn.sum(axis=0)  # (h,)
     dt = xn.dtype
-    return (torch.from_numpy(dx.astype(dt, copy=False)),
-            torch.from_numpy(dweight.astype(dt, copy=False)),
-            torch.from_numpy(dbias.astype(dt, copy=False)))
+    return (
+        torch.from_numpy(dx.astype(dt, copy=False)),
+        torch.from_numpy(dweight.astype(dt, copy=False)),
+        torch.from_numpy(dbias.astype(dt, copy=False)),
+    )
 
 
 def sharded_layer_norm(x, weight=None, bias=None, *, eps=1e-5, group=None):
@@ -378,7 +390,7 @@ def sharded_layer_norm(x, weight=None, bias=None, *, eps=1e-5, group=None):
     return _sharded_function().apply(x, weight, bias, float(eps), group)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sharded_function():
     # Built on first use so that importing this module does not import torch.
     import torch
@@ -397,8 +409,13 @@ def _sharded_function():
             dx, dweight, dbias = sharded_layer_norm_backward(
                 dy, x, mean, rstd, weight, group=ctx.group
             )
-            return (dx, dweight if weight is not None else None,
-                    dbias if ctx.has_bias else None, None, None)
+            return (
+                dx,
+                dweight if weight is not None else None,
+                dbias if ctx.has_bias else None,
+                None,
+                None,
+            )
 
     return ShardedLayerNormFunction
 
@@ -419,7 +436,9 @@ def _init_group(rank, world_size, port, timeout_s):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size,
+        "gloo",
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
 
@@ -442,12 +461,13 @@ def _mismatch_worker(rank, world_size, port, outdir, timeout_s):
     try:
         for name, (shape, dtype) in cases.items():
             x = torch.ones(shape, dtype=dtype)
-            for which, call in (("forward", lambda: sharded_layer_norm_forward(x)),
-                                ("backward", lambda: sharded_layer_norm_backward(
-                                    x, x, torch.zeros(shape[0], dtype=dtype),
-                                    torch.ones(shape[0], dtype=dtype)))):
+            stats = torch.zeros(shape[0], dtype=dtype), torch.ones(shape[0], dtype=dtype)
+            for which, call, args in (
+                ("forward", sharded_layer_norm_forward, (x,)),
+                ("backward", sharded_layer_norm_backward, (x, x, *stats)),
+            ):
                 try:
-                    call()
+                    call(*args)
                     errors[f"{name}-{which}"] = None
                 except ValueError as exc:
                     errors[f"{name}-{which}"] = str(exc)
@@ -475,16 +495,23 @@ def _worker(rank, world_size, port, N, H, seed, outdir, timeout_s):
             t(dy[:, lo:hi]), t(x[:, lo:hi]), mean, rstd, t(weight[lo:hi])
         )
         # The same through autograd.
-        xg, wg, bg = (t(a).clone().requires_grad_() for a in
-                      (x[:, lo:hi], weight[lo:hi], bias[lo:hi]))
+        xg, wg, bg = (
+            t(a).clone().requires_grad_() for a in (x[:, lo:hi], weight[lo:hi], bias[lo:hi])
+        )
         yg = sharded_layer_norm(xg, wg, bg, eps=1e-5)
         yg.backward(t(dy[:, lo:hi]))
         np.savez(
             os.path.join(outdir, f"rank{rank}.npz"),
-            y=y.numpy(), mean=mean.numpy(), rstd=rstd.numpy(),
-            dx=dx.numpy(), dweight=dweight.numpy(), dbias=dbias.numpy(),
-            y_autograd=yg.detach().numpy(), dx_autograd=xg.grad.numpy(),
-            dweight_autograd=wg.grad.numpy(), dbias_autograd=bg.grad.numpy(),
+            y=y.numpy(),
+            mean=mean.numpy(),
+            rstd=rstd.numpy(),
+            dx=dx.numpy(),
+            dweight=dweight.numpy(),
+            dbias=dbias.numpy(),
+            y_autograd=yg.detach().numpy(),
+            dx_autograd=xg.grad.numpy(),
+            dweight_autograd=wg.grad.numpy(),
+            dbias_autograd=bg.grad.numpy(),
         )
     finally:
         dist.destroy_process_group()
@@ -517,8 +544,9 @@ def _spawn(worker, args, world_size, timeout_s):
     import torch.multiprocessing as mp
 
     port = free_port()
-    ctx = mp.start_processes(worker, args=(world_size, port, *args), nprocs=world_size,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        worker, args=(world_size, port, *args), nprocs=world_size, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s + 30.0
     try:
         while not ctx.join(timeout=0.2):

@@ -23,7 +23,8 @@ def _alpha(alpha, xp):
     if not isinstance(alpha, numbers.Real):
         if not isinstance(alpha, xp.ndarray):
             raise TypeError(
-                f"alpha must be a real number or a 0-d floating array, got {type(alpha).__name__}")
+                f"alpha must be a real number or a 0-d floating array, got {type(alpha).__name__}"
+            )
         alpha = check.float_array(alpha, "alpha", xp)
         if alpha.ndim != 0:
             raise ValueError(f"alpha must be a scalar (a 0-d array), got shape {alpha.shape}")
@@ -38,8 +39,9 @@ def _inputs(x, alpha, weight, bias=None, **arrays):
     xp = get_array_module(x=x, alpha=alpha, weight=weight, bias=bias, **arrays)
     x = check.float_array(x, "x", xp)
     if x.ndim == 0:
-        raise ValueError("x must have at least one axis (weight and bias follow the last), "
-                         "got a 0-d array")
+        raise ValueError(
+            "x must have at least one axis (weight and bias follow the last), got a 0-d array"
+        )
     a = _alpha(alpha, xp)
     weight = check.optional_param(weight, "weight", x.shape[-1:], xp)
     bias = check.optional_param(bias, "bias", x.shape[-1:], xp)
@@ -154,5 +156,9 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     t *= acc.type(a)
     pdtype = x.dtype if weight is None else weight.dtype
     adtype = alpha.dtype if isinstance(alpha, xp.ndarray) else x.dtype
-    return (t.reshape(x.shape).astype(x.dtype, copy=False), xp.asarray(dalpha, dtype=adtype),
-            dweight.astype(pdtype), dbias.astype(pdtype))
+    return (
+        t.reshape(x.shape).astype(x.dtype, copy=False),
+        xp.asarray(dalpha, dtype=adtype),
+        dweight.astype(pdtype),
+        dbias.astype(pdtype),
+    )

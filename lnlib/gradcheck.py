@@ -103,8 +103,9 @@ def check_grad(f, x, dy, analytic, *, h=1e-6, rtol=1e-6, atol=1e-9, name="dx"):
     numeric = numerical_grad(f, x, dy, h=h)
     analytic = np.asarray(analytic, dtype=np.float64)
     if analytic.shape != numeric.shape:
-        raise AssertionError(f"{name}: analytic gradient has shape {analytic.shape}, "
-                             f"expected {numeric.shape}")
+        raise AssertionError(
+            f"{name}: analytic gradient has shape {analytic.shape}, expected {numeric.shape}"
+        )
     err = np.abs(analytic - numeric)
     tol = atol + rtol * np.max(np.abs(numeric), initial=0.0)
     worst = np.unravel_index(np.argmax(err), err.shape) if err.size else ()

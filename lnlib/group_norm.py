@@ -70,7 +70,8 @@ def _check_groups(x, num_groups):
         raise ValueError(f"num_groups must be >= 1, got {g}")
     if c % g:
         raise ValueError(
-            f"num_groups must divide the number of channels C = x.shape[1] = {c}, got {g}")
+            f"num_groups must divide the number of channels C = x.shape[1] = {c}, got {g}"
+        )
     if 0 in x.shape[1:]:
         raise ValueError(f"x has no values to normalize in a group: shape {x.shape}")
     return g
@@ -83,7 +84,8 @@ def _channel_param(a, name, x, xp):
     a = check.float_array(a, name, xp)
     if a.shape != (x.shape[1],):
         raise ValueError(
-            f"{name} must have shape ({x.shape[1]},) (one value per channel of x), got {a.shape}")
+            f"{name} must have shape ({x.shape[1]},) (one value per channel of x), got {a.shape}"
+        )
     return a
 
 

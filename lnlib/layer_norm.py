@@ -47,12 +47,14 @@ def layer_norm(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1, weight
     Same as ``layer_norm_forward(...)[0]``. Covered in :ref:`sec-ch02-one-vector` (one row)
     and :ref:`sec-ch02-tensors` (which axes are normalized).
     """
-    return layer_norm_forward(x, weight, bias, eps=eps, normalized_ndim=normalized_ndim,
-                              weight_offset=weight_offset)[0]
+    return layer_norm_forward(
+        x, weight, bias, eps=eps, normalized_ndim=normalized_ndim, weight_offset=weight_offset
+    )[0]
 
 
-def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1,
-                       weight_offset=0.0):
+def layer_norm_forward(
+    x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1, weight_offset=0.0
+):
     r"""Layer normalization forward pass, returning what the backward pass needs.
 
     Each slice of ``x`` over its last ``normalized_ndim`` axes (a "row" of :math:`D` elements)
@@ -125,8 +127,9 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
     offset = check.weight_offset_value(weight_offset, weight)
     forward_rows = select("layer_norm_forward", xp, x.dtype)
     acc, lead = accumulation_dtype(x.dtype), x.shape[: x.ndim - k]
-    y, mean, rstd = forward_rows(as_rows(x, k), param_row(weight, acc, offset),
-                                 param_row(bias, acc), eps=eps)
+    y, mean, rstd = forward_rows(
+        as_rows(x, k), param_row(weight, acc, offset), param_row(bias, acc), eps=eps
+    )
     return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
 
 
@@ -188,9 +191,15 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0):
     backward_rows = select("layer_norm_backward", xp, x.dtype)
     acc = accumulation_dtype(x.dtype)  # also for statistics saved in another dtype
     dx, dweight, dbias = backward_rows(
-        as_rows(dy, k), as_rows(x, k), mean.reshape(-1).astype(acc, copy=False),
-        rstd.reshape(-1).astype(acc, copy=False), param_row(weight, acc, offset))
+        as_rows(dy, k),
+        as_rows(x, k),
+        mean.reshape(-1).astype(acc, copy=False),
+        rstd.reshape(-1).astype(acc, copy=False),
+        param_row(weight, acc, offset),
+    )
     pdtype = x.dtype if weight is None else weight.dtype
-    return (dx.reshape(x.shape), dweight.reshape(norm).astype(pdtype, copy=False),
-            dbias.reshape(norm).astype(pdtype, copy=False))
-
+    return (
+        dx.reshape(x.shape),
+        dweight.reshape(norm).astype(pdtype, copy=False),
+        dbias.reshape(norm).astype(pdtype, copy=False),
+    )

@@ -8,8 +8,13 @@ one step: call ``backward`` after the ``forward`` whose gradient you want.
 import numpy as np
 
 from ._validate import normalized_shape_value, weight_offset_value
-from .ada_norm import (ada_layer_norm_backward, ada_layer_norm_forward, adaln_modulation,
-                       adaln_modulation_backward, adaln_zero_init)
+from .ada_norm import (
+    ada_layer_norm_backward,
+    ada_layer_norm_forward,
+    adaln_modulation,
+    adaln_modulation_backward,
+    adaln_zero_init,
+)
 from .batch_norm import batch_norm_backward, batch_norm_forward
 from .dynamic_tanh import dynamic_tanh, dynamic_tanh_backward
 from .group_norm import group_norm_backward, group_norm_forward
@@ -63,14 +68,26 @@ class LayerNorm(_Saved):
     Covered in :ref:`sec-ch02-one-vector` and :ref:`sec-ch02-backward`.
     """
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
-                 dtype=np.float32, *, weight_offset=0.0):
+    def __init__(
+        self,
+        normalized_shape,
+        eps=1e-5,
+        elementwise_affine=True,
+        bias=True,
+        dtype=np.float32,
+        *,
+        weight_offset=0.0,
+    ):
         self.normalized_shape = normalized_shape_value(normalized_shape)
         self.eps = eps
-        self.weight_offset = weight_offset_value(weight_offset,
-                                                 True if elementwise_affine else None)
-        self.weight = (np.full(self.normalized_shape, 1 - self.weight_offset, dtype)
-                       if elementwise_affine else None)
+        self.weight_offset = weight_offset_value(
+            weight_offset, True if elementwise_affine else None
+        )
+        self.weight = (
+            np.full(self.normalized_shape, 1 - self.weight_offset, dtype)
+            if elementwise_affine
+            else None
+        )
         self.bias = np.zeros(self.normalized_shape, dtype) if elementwise_affine and bias else None
         self.dweight = self.dbias = None
 
@@ -92,9 +109,14 @@ class LayerNorm(_Saved):
         TypeError, ValueError
             As for :func:`lnlib.layer_norm_forward`.
         """
-        y, mean, rstd = layer_norm_forward(x, self.weight, self.bias, eps=self.eps,
-                                           normalized_ndim=len(self.normalized_shape),
-                                           weight_offset=self.weight_offset)
+        y, mean, rstd = layer_norm_forward(
+            x,
+            self.weight,
+            self.bias,
+            eps=self.eps,
+            normalized_ndim=len(self.normalized_shape),
+            weight_offset=self.weight_offset,
+        )
         self._saved = (x, mean, rstd)
         return y
 
@@ -123,8 +145,9 @@ class LayerNorm(_Saved):
         Also stores ``dweight`` and ``dbias`` (None for a parameter the layer does not hold).
         """
         x, mean, rstd = self._take()
-        dx, dweight, dbias = layer_norm_backward(dy, x, mean, rstd, self.weight,
-                                                 weight_offset=self.weight_offset)
+        dx, dweight, dbias = layer_norm_backward(
+            dy, x, mean, rstd, self.weight, weight_offset=self.weight_offset
+        )
         self.dweight = dweight if self.weight is not None else None
         self.dbias = dbias if self.bias is not None else None
         return dx
@@ -154,14 +177,25 @@ class RMSNorm(_Saved):
     Covered in :doc:`/book/04_variants`, section "RMSNorm".
     """
 
-    def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32,
-                 *, weight_offset=0.0):
+    def __init__(
+        self,
+        normalized_shape,
+        eps=1e-6,
+        elementwise_affine=True,
+        dtype=np.float32,
+        *,
+        weight_offset=0.0,
+    ):
         self.normalized_shape = normalized_shape_value(normalized_shape)
         self.eps = eps
-        self.weight_offset = weight_offset_value(weight_offset,
-                                                 True if elementwise_affine else None)
-        self.weight = (np.full(self.normalized_shape, 1 - self.weight_offset, dtype)
-                       if elementwise_affine else None)
+        self.weight_offset = weight_offset_value(
+            weight_offset, True if elementwise_affine else None
+        )
+        self.weight = (
+            np.full(self.normalized_shape, 1 - self.weight_offset, dtype)
+            if elementwise_affine
+            else None
+        )
         self.dweight = None
 
     def forward(self, x):
@@ -182,9 +216,13 @@ class RMSNorm(_Saved):
         TypeError, ValueError
             As for :func:`lnlib.rms_norm_forward`.
         """
-        y, rstd = rms_norm_forward(x, self.weight, eps=self.eps,
-                                   normalized_ndim=len(self.normalized_shape),
-                                   weight_offset=self.weight_offset)
+        y, rstd = rms_norm_forward(
+            x,
+            self.weight,
+            eps=self.eps,
+            normalized_ndim=len(self.normalized_shape),
+            weight_offset=self.weight_offset,
+        )
         self._saved = (x, rstd)
         return y
 
@@ -213,8 +251,7 @@ class RMSNorm(_Saved):
         Also stores ``dweight`` (None without a weight).
         """
         x, rstd = self._take()
-        dx, dweight = rms_norm_backward(dy, x, rstd, self.weight,
-                                        weight_offset=self.weight_offset)
+        dx, dweight = rms_norm_backward(dy, x, rstd, self.weight, weight_offset=self.weight_offset)
         self.dweight = dweight if self.weight is not None else None
         return dx
 
@@ -265,7 +302,7 @@ class AdaLN(_Saved):
         self.weight, self.bias = adaln_zero_init(self.cond_dim, self.dim, dtype=dtype)
         if not zero_init:
             rng = np.random.default_rng() if rng is None else rng
-            self.weight[...] = rng.normal(0.0, self.cond_dim ** -0.5, self.weight.shape)
+            self.weight[...] = rng.normal(0.0, self.cond_dim**-0.5, self.weight.shape)
         self.dweight = self.dbias = None
 
     def forward(self, x, c):
@@ -424,9 +461,16 @@ class BatchNorm(_Saved):
         TypeError, ValueError
             As for :func:`lnlib.batch_norm_forward`.
         """
-        y, mean, rstd = batch_norm_forward(x, self.running_mean, self.running_var, self.weight,
-                                           self.bias, training=self.training,
-                                           momentum=self.momentum, eps=self.eps)
+        y, mean, rstd = batch_norm_forward(
+            x,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            training=self.training,
+            momentum=self.momentum,
+            eps=self.eps,
+        )
         self._saved = (x, mean, rstd, self.training)
         return y
 
@@ -494,8 +538,10 @@ class GroupNorm(_Saved):
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
         self.num_groups, self.num_channels, self.eps = int(num_groups), int(num_channels), eps
         if self.num_groups < 1 or self.num_channels % self.num_groups:
-            raise ValueError(f"num_groups must be >= 1 and divide num_channels = "
-                             f"{self.num_channels}, got {num_groups}")
+            raise ValueError(
+                f"num_groups must be >= 1 and divide num_channels = "
+                f"{self.num_channels}, got {num_groups}"
+            )
         self.weight = np.ones(self.num_channels, dtype) if affine else None
         self.bias = np.zeros(self.num_channels, dtype) if affine else None
         self.dweight = self.dbias = None
@@ -583,12 +629,12 @@ class DynamicTanh(_Saved):
     Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
     """
 
-    def __init__(self, normalized_shape, alpha_init=0.5, elementwise_affine=True,
-                 dtype=np.float32):
+    def __init__(self, normalized_shape, alpha_init=0.5, elementwise_affine=True, dtype=np.float32):
         self.normalized_shape = _shape(normalized_shape)
         if len(self.normalized_shape) != 1:
             raise ValueError(
-                f"normalized_shape must be one size (the last axis), got {normalized_shape}")
+                f"normalized_shape must be one size (the last axis), got {normalized_shape}"
+            )
         self.alpha = np.array(alpha_init, dtype=dtype)
         self.weight = np.ones(self.normalized_shape, dtype) if elementwise_affine else None
         self.bias = np.zeros(self.normalized_shape, dtype) if elementwise_affine else None

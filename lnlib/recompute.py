@@ -37,10 +37,8 @@ def _xhat_from_output(y, rstd, weight, bias, name):
     xp = get_array_module(y=y, rstd=rstd, weight=weight, bias=bias)
     k = y.ndim - rstd.ndim
     if k < 1 or y.shape[: rstd.ndim] != rstd.shape:
-        raise ValueError(
-            f"rstd: expected the leading axes of y {y.shape}, got shape {rstd.shape}"
-        )
-    norm = y.shape[rstd.ndim:]
+        raise ValueError(f"rstd: expected the leading axes of y {y.shape}, got shape {rstd.shape}")
+    norm = y.shape[rstd.ndim :]
     acc = rstd.dtype
     xhat = y.astype(acc)
     for pname, p in (("bias", bias), ("weight", weight)):
@@ -104,8 +102,11 @@ def layer_norm_backward_from_output(dy, y, rstd, weight=None, bias=None):
     g = dya if weight is None else dya * weight.astype(acc)
     dx = layer_norm_dx(g, xhat, expand_stat(rstd, k), axes)
     pdtype = y.dtype if weight is None else weight.dtype
-    return (dx.astype(y.dtype), (dya * xhat).sum(axis=rows).astype(pdtype),
-            dya.sum(axis=rows).astype(pdtype))
+    return (
+        dx.astype(y.dtype),
+        (dya * xhat).sum(axis=rows).astype(pdtype),
+        dya.sum(axis=rows).astype(pdtype),
+    )
 
 
 def rms_norm_backward_from_output(dy, y, rstd, weight=None):

@@ -58,8 +58,10 @@ def layer_norm_dx(g, xhat, rstd, axes=None, means=None):
     Covered in :ref:`sec-ch02-backward`.
     """
     if means is None:
-        means = (g.mean(axis=axes, keepdims=True),  # (N, 1)
-                 (g * xhat).mean(axis=axes, keepdims=True))  # (N, 1)
+        means = (
+            g.mean(axis=axes, keepdims=True),  # (N, 1)
+            (g * xhat).mean(axis=axes, keepdims=True),
+        )  # (N, 1)
     g_mean, gxhat_mean = means
     return rstd * (g - g_mean - xhat * gxhat_mean)  # (N, D)
 
@@ -321,8 +323,9 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     return dx.astype(x.dtype), dshift.astype(scale.dtype), dscale.astype(scale.dtype)
 
 
-def batch_norm_forward(x, running_mean, running_var, weight=None, bias=None, *,
-                       training, momentum=0.1, eps=1e-5):
+def batch_norm_forward(
+    x, running_mean, running_var, weight=None, bias=None, *, training, momentum=0.1, eps=1e-5
+):
     r"""BatchNorm forward over (N, C, ...): statistics per channel over every other axis.
 
     In training the batch statistics are used and the running ones updated in place (unbiased
@@ -499,8 +502,9 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     dya = dy.astype(acc).reshape(n, c, -1)  # (N, C, L)
     gs = dya if weight is None else dya * weight.astype(acc)[:, None]
     gs = gs.reshape(n, g, -1)
-    dx = rstd * (gs - gs.mean(axis=2, keepdims=True)
-                 - xhat * (gs * xhat).mean(axis=2, keepdims=True))
+    dx = rstd * (
+        gs - gs.mean(axis=2, keepdims=True) - xhat * (gs * xhat).mean(axis=2, keepdims=True)
+    )
     pdtype = x.dtype if weight is None else weight.dtype
     dweight = (dya * xhat.reshape(n, c, -1)).sum(axis=(0, 2)).astype(pdtype)
     dbias = dya.sum(axis=(0, 2)).astype(pdtype)
@@ -581,5 +585,9 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     pdtype = x.dtype if weight is None else weight.dtype
     adtype = alpha.dtype if isinstance(alpha, xp.ndarray) else x.dtype
     dalpha = xp.asarray((g * xa * (1 - t * t)).sum(), dtype=adtype)
-    return ((float(alpha) * g * (1 - t * t)).astype(x.dtype), dalpha,
-            (dya * t).sum(axis=rows).astype(pdtype), dya.sum(axis=rows).astype(pdtype))
+    return (
+        (float(alpha) * g * (1 - t * t)).astype(x.dtype),
+        dalpha,
+        (dya * t).sum(axis=rows).astype(pdtype),
+        dya.sum(axis=rows).astype(pdtype),
+    )

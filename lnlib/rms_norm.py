@@ -43,8 +43,9 @@ def rms_norm(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0):
     Same as ``rms_norm_forward(...)[0]``. Covered in :doc:`/book/04_variants`, section
     "RMSNorm".
     """
-    return rms_norm_forward(x, weight, eps=eps, normalized_ndim=normalized_ndim,
-                            weight_offset=weight_offset)[0]
+    return rms_norm_forward(
+        x, weight, eps=eps, normalized_ndim=normalized_ndim, weight_offset=weight_offset
+    )[0]
 
 
 def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0):
@@ -160,8 +161,11 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0):
     offset = check.weight_offset_value(weight_offset, weight)
     backward_rows = select("rms_norm_backward", xp, x.dtype)
     acc = accumulation_dtype(x.dtype)
-    dx, dweight = backward_rows(as_rows(dy, k), as_rows(x, k),
-                                rstd.reshape(-1).astype(acc, copy=False),
-                                param_row(weight, acc, offset))
+    dx, dweight = backward_rows(
+        as_rows(dy, k),
+        as_rows(x, k),
+        rstd.reshape(-1).astype(acc, copy=False),
+        param_row(weight, acc, offset),
+    )
     pdtype = x.dtype if weight is None else weight.dtype
     return dx.reshape(x.shape), dweight.reshape(norm).astype(pdtype, copy=False)

@@ -55,8 +55,9 @@ _NATIVE = (torch.float16, torch.float32, torch.float64)
 def _cuda_dlpack(t):
     """lnlib's zero-copy DLPack helpers for the CUDA tensor ``t``; a clear error without CuPy."""
     if importlib.util.find_spec("cupy") is None:
-        raise TypeError(f"x: CUDA tensors need CuPy (pip install lnlib[gpu]); got a tensor on "
-                        f"{t.device}")
+        raise TypeError(
+            f"x: CUDA tensors need CuPy (pip install lnlib[gpu]); got a tensor on {t.device}"
+        )
     from lnlib._cuda import dlpack
 
     return dlpack
@@ -105,6 +106,7 @@ def _to_tensor(a, like):
 def _on_device_of_first(method):
     """Decorator: run a Function's ``forward(ctx, x, ...)`` or ``backward(ctx, dy, ...)``
     inside :func:`_on_device` of its first tensor (for CUDA tensors, on torch's stream)."""
+
     @functools.wraps(method)
     def wrapper(ctx, t, *args):
         with _on_device(t):
@@ -121,6 +123,7 @@ def first_order_only(backward):
     hold zeros or nothing where second derivatives belong. The backward therefore refuses
     to run with grad mode on, which is exactly when torch builds that graph.
     """
+
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         if torch.is_grad_enabled():
@@ -196,8 +199,12 @@ class LayerNormFunction(torch.autograd.Function):
             As for :func:`lnlib.layer_norm_forward`; a CUDA tensor without CuPy installed.
         """
         y, mean, rstd = lnlib.layer_norm_forward(
-            _to_array(x), _to_array(weight), _to_array(bias),
-            eps=eps, normalized_ndim=normalized_ndim, weight_offset=sum(weight_offset),
+            _to_array(x),
+            _to_array(weight),
+            _to_array(bias),
+            eps=eps,
+            normalized_ndim=normalized_ndim,
+            weight_offset=sum(weight_offset),
         )
         ctx.weight_offset = weight_offset
         mean_t, rstd_t = _stat_tensor(mean), _stat_tensor(rstd)
@@ -234,7 +241,11 @@ class LayerNormFunction(torch.autograd.Function):
         """
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = lnlib.layer_norm_backward(
-            _to_array(dy), _to_array(x), _to_array(mean), _to_array(rstd), _to_array(weight),
+            _to_array(dy),
+            _to_array(x),
+            _to_array(mean),
+            _to_array(rstd),
+            _to_array(weight),
             weight_offset=sum(ctx.weight_offset),
         )
         grads = [None] * (5 + len(ctx.weight_offset))
@@ -297,7 +308,10 @@ class RMSNormFunction(torch.autograd.Function):
             As for :func:`lnlib.rms_norm_forward`; a CUDA tensor without CuPy installed.
         """
         y, rstd = lnlib.rms_norm_forward(
-            _to_array(x), _to_array(weight), eps=eps, normalized_ndim=normalized_ndim,
+            _to_array(x),
+            _to_array(weight),
+            eps=eps,
+            normalized_ndim=normalized_ndim,
             weight_offset=sum(weight_offset),
         )
         ctx.weight_offset = weight_offset
@@ -334,7 +348,10 @@ class RMSNormFunction(torch.autograd.Function):
         """
         x, weight, rstd = ctx.saved_tensors
         dx, dweight = lnlib.rms_norm_backward(
-            _to_array(dy), _to_array(x), _to_array(rstd), _to_array(weight),
+            _to_array(dy),
+            _to_array(x),
+            _to_array(rstd),
+            _to_array(weight),
             weight_offset=sum(ctx.weight_offset),
         )
         grads = [None] * (4 + len(ctx.weight_offset))
@@ -353,7 +370,7 @@ def _trailing_shape(x, normalized_shape):
     """Check that ``x`` ends with ``normalized_shape``; return it as a tuple."""
     _check_tensor("x", x)
     shape = _normalized_shape(normalized_shape)
-    if x.ndim < len(shape) or tuple(x.shape[x.ndim - len(shape):]) != shape:
+    if x.ndim < len(shape) or tuple(x.shape[x.ndim - len(shape) :]) != shape:
         raise ValueError(
             f"x: expected trailing axes {shape} (normalized_shape), got shape {tuple(x.shape)}"
         )
@@ -396,8 +413,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
     Covered in :ref:`sec-ch05-torch-bridge`.
     """
     shape = _trailing_shape(x, normalized_shape)
-    y, _, _ = LayerNormFunction.apply(x, weight, bias, len(shape), float(eps),
-                                      float(weight_offset))
+    y, _, _ = LayerNormFunction.apply(x, weight, bias, len(shape), float(eps), float(weight_offset))
     return y
 
 
@@ -469,18 +485,29 @@ class LayerNorm(nn.Module):
     Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
-                 device=None, dtype=None, *, weight_offset=0.0):
+    def __init__(
+        self,
+        normalized_shape,
+        eps=1e-5,
+        elementwise_affine=True,
+        bias=True,
+        device=None,
+        dtype=None,
+        *,
+        weight_offset=0.0,
+    ):
         super().__init__()
         self.normalized_shape = _normalized_shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.weight_offset = _validate.weight_offset_value(
-            weight_offset, True if elementwise_affine else None)
+            weight_offset, True if elementwise_affine else None
+        )
         factory = {"device": device, "dtype": dtype}
         if elementwise_affine:
-            self.weight = nn.Parameter(torch.full(self.normalized_shape,
-                                                  1.0 - self.weight_offset, **factory))
+            self.weight = nn.Parameter(
+                torch.full(self.normalized_shape, 1.0 - self.weight_offset, **factory)
+            )
             if bias:
                 self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory))
             else:
@@ -522,8 +549,14 @@ class LayerNorm(nn.Module):
         TypeError, ValueError
             As for :func:`layer_norm`.
         """
-        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
-                          weight_offset=self.weight_offset)
+        return layer_norm(
+            x,
+            self.normalized_shape,
+            self.weight,
+            self.bias,
+            self.eps,
+            weight_offset=self.weight_offset,
+        )
 
     def extra_repr(self):
         """The constructor arguments shown by ``repr(module)``, as in ``torch.nn.LayerNorm``.
@@ -533,8 +566,9 @@ class LayerNorm(nn.Module):
         str
             E.g. the normalized shape, ``eps`` and whether parameters are learned.
         """
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -559,17 +593,29 @@ class RMSNorm(nn.Module):
     Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
-    def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
-                 device=None, dtype=None, *, weight_offset=0.0):
+    def __init__(
+        self,
+        normalized_shape,
+        eps=None,
+        elementwise_affine=True,
+        device=None,
+        dtype=None,
+        *,
+        weight_offset=0.0,
+    ):
         super().__init__()
         self.normalized_shape = _normalized_shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.weight_offset = _validate.weight_offset_value(
-            weight_offset, True if elementwise_affine else None)
+            weight_offset, True if elementwise_affine else None
+        )
         if elementwise_affine:
-            self.weight = nn.Parameter(torch.full(
-                self.normalized_shape, 1.0 - self.weight_offset, device=device, dtype=dtype))
+            self.weight = nn.Parameter(
+                torch.full(
+                    self.normalized_shape, 1.0 - self.weight_offset, device=device, dtype=dtype
+                )
+            )
         else:
             self.register_parameter("weight", None)
 
@@ -604,8 +650,9 @@ class RMSNorm(nn.Module):
         TypeError, ValueError
             As for :func:`rms_norm`.
         """
-        return rms_norm(x, self.normalized_shape, self.weight, self.eps,
-                        weight_offset=self.weight_offset)
+        return rms_norm(
+            x, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset
+        )
 
     def extra_repr(self):
         """The constructor arguments shown by ``repr(module)``, as in ``torch.nn.RMSNorm``.
@@ -615,14 +662,21 @@ class RMSNorm(nn.Module):
         str
             E.g. the normalized shape, ``eps`` and whether parameters are learned.
         """
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        )
 
 
 # ------------------------------------------------------------- GroupNorm and Dynamic Tanh
 
-__all__ += ["DynamicTanh", "DynamicTanhFunction", "GroupNorm", "GroupNormFunction",
-            "dynamic_tanh", "group_norm"]
+__all__ += [
+    "DynamicTanh",
+    "DynamicTanhFunction",
+    "GroupNorm",
+    "GroupNormFunction",
+    "dynamic_tanh",
+    "group_norm",
+]
 
 
 class GroupNormFunction(torch.autograd.Function):
@@ -670,7 +724,8 @@ class GroupNormFunction(torch.autograd.Function):
             As for :func:`lnlib.group_norm_forward`; a CUDA tensor without CuPy installed.
         """
         y, mean, rstd = lnlib.group_norm_forward(
-            _to_array(x), num_groups, _to_array(weight), _to_array(bias), eps=eps)
+            _to_array(x), num_groups, _to_array(weight), _to_array(bias), eps=eps
+        )
         mean_t, rstd_t = _stat_tensor(mean), _stat_tensor(rstd)
         ctx.save_for_backward(x, weight, mean_t, rstd_t)
         ctx.num_groups, ctx.has_bias = num_groups, bias is not None
@@ -705,8 +760,13 @@ class GroupNormFunction(torch.autograd.Function):
         """
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = lnlib.group_norm_backward(
-            _to_array(dy), _to_array(x), _to_array(mean), _to_array(rstd), ctx.num_groups,
-            _to_array(weight))
+            _to_array(dy),
+            _to_array(x),
+            _to_array(mean),
+            _to_array(rstd),
+            ctx.num_groups,
+            _to_array(weight),
+        )
         grads = [None] * 5
         if ctx.needs_input_grad[0]:
             grads[0] = _to_tensor(dx, x)
@@ -757,8 +817,7 @@ class DynamicTanhFunction(torch.autograd.Function):
         TypeError, ValueError
             As for :func:`lnlib.dynamic_tanh`; a CUDA tensor without CuPy installed.
         """
-        y = lnlib.dynamic_tanh(_to_array(x), _to_array(alpha), _to_array(weight),
-                               _to_array(bias))
+        y = lnlib.dynamic_tanh(_to_array(x), _to_array(alpha), _to_array(weight), _to_array(bias))
         ctx.save_for_backward(x, alpha, weight)
         ctx.has_bias = bias is not None
         return _to_tensor(y, x)
@@ -788,7 +847,8 @@ class DynamicTanhFunction(torch.autograd.Function):
         """
         x, alpha, weight = ctx.saved_tensors
         dx, dalpha, dweight, dbias = lnlib.dynamic_tanh_backward(
-            _to_array(dy), _to_array(x), _to_array(alpha), _to_array(weight))
+            _to_array(dy), _to_array(x), _to_array(alpha), _to_array(weight)
+        )
         grads = [None] * 4
         if ctx.needs_input_grad[0]:
             grads[0] = _to_tensor(dx, x)
@@ -888,12 +948,12 @@ class GroupNorm(nn.Module):
     Covered in :doc:`/book/04_variants`, section "The family by axes".
     """
 
-    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None,
-                 dtype=None):
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
         super().__init__()
         if num_channels % num_groups:
-            raise ValueError(f"num_groups must divide num_channels = {num_channels}, "
-                             f"got {num_groups}")
+            raise ValueError(
+                f"num_groups must divide num_channels = {num_channels}, got {num_groups}"
+            )
         self.num_groups, self.num_channels, self.eps = num_groups, num_channels, eps
         self.affine = affine
         factory = {"device": device, "dtype": dtype}
@@ -954,8 +1014,14 @@ class DynamicTanh(nn.Module):
     Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
     """
 
-    def __init__(self, normalized_shape, alpha_init_value=0.5, elementwise_affine=True,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        normalized_shape,
+        alpha_init_value=0.5,
+        elementwise_affine=True,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.normalized_shape = _normalized_shape(normalized_shape)
         factory = {"device": device, "dtype": dtype}

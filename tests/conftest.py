@@ -7,7 +7,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "lnlib", deadline=None, max_examples=60, derandomize=True,
+    "lnlib",
+    deadline=None,
+    max_examples=60,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "lnlib"))

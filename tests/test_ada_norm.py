@@ -4,10 +4,10 @@ differences."""
 import numpy as np
 import pytest
 import torch.nn.functional as F
+from conftest import assert_close, host, on, torch_tensor
 
 import lnlib
 from lnlib import reference
-from conftest import assert_close, host, on, torch_tensor
 
 # Every test here runs with the compiled CPU kernel and with the NumPy fast path.
 pytestmark = pytest.mark.usefixtures("cpu_path")
@@ -153,7 +153,8 @@ def test_float16_statistics_do_not_lower_the_backward_precision(rng):
     scale = np.zeros(8, np.float32)
     _, mean, rstd = lnlib.ada_layer_norm_forward(x, scale, scale)
     want = lnlib.ada_layer_norm_backward(dy, x, mean, rstd, scale)
-    got = lnlib.ada_layer_norm_backward(dy, x, mean.astype(np.float16), rstd.astype(np.float16),
-                                        scale)
+    got = lnlib.ada_layer_norm_backward(
+        dy, x, mean.astype(np.float16), rstd.astype(np.float16), scale
+    )
     assert all(g.dtype == np.float32 and np.all(np.isfinite(g)) for g in got)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch.nn.functional as F
+from conftest import assert_close, torch_tensor
 
 import lnlib
 from lnlib import reference
-from conftest import assert_close, torch_tensor
 
 SHAPES = [(8, 3), (4, 3, 5), (2, 3, 4, 5), (3, 2, 2, 2, 3)]
 DTYPES = [np.float64, np.float32, np.float16]

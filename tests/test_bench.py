@@ -11,12 +11,25 @@ pytest.importorskip("torch")
 from lnlib import bench  # noqa: E402
 
 FIELDS = [
-    "shape", "dtype", "repeats", "bytes_fwd", "bytes_fwdbwd",
-    "lnlib_fwd_s", "torch_fwd_s", "lnlib_fwdbwd_s", "torch_fwdbwd_s",
-    "fwd_speedup", "fwdbwd_speedup",
-    "lnlib_fwd_GBps", "torch_fwd_GBps", "lnlib_fwdbwd_GBps", "torch_fwdbwd_GBps",
-    "lnlib_fwd_copy_fraction", "lnlib_fwdbwd_copy_fraction",
-    "max_abs_diff_fwd", "max_abs_diff_dx",
+    "shape",
+    "dtype",
+    "repeats",
+    "bytes_fwd",
+    "bytes_fwdbwd",
+    "lnlib_fwd_s",
+    "torch_fwd_s",
+    "lnlib_fwdbwd_s",
+    "torch_fwdbwd_s",
+    "fwd_speedup",
+    "fwdbwd_speedup",
+    "lnlib_fwd_GBps",
+    "torch_fwd_GBps",
+    "lnlib_fwdbwd_GBps",
+    "torch_fwdbwd_GBps",
+    "lnlib_fwd_copy_fraction",
+    "lnlib_fwdbwd_copy_fraction",
+    "max_abs_diff_fwd",
+    "max_abs_diff_dx",
 ]
 
 
@@ -29,8 +42,20 @@ def test_parse_shapes():
 
 def test_quick_run_writes_the_table_fields(tmp_path, capsys):
     out = tmp_path / "r.json"
-    result = bench.main(["--quick", "--shapes", "16x64,40x24", "--dtypes", "float32,float64",
-                         "--repeats", "2", "--steps", "--out", str(out)])
+    result = bench.main(
+        [
+            "--quick",
+            "--shapes",
+            "16x64,40x24",
+            "--dtypes",
+            "float32,float64",
+            "--repeats",
+            "2",
+            "--steps",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "speedup" in printed and "of copy" in printed and "fwd+bwd" in printed
     data = json.loads(out.read_text())
@@ -46,7 +71,8 @@ def test_quick_run_writes_the_table_fields(tmp_path, capsys):
         assert row["bytes_fwd"] >= 2 * m * h * item
         assert row["fwd_speedup"] == pytest.approx(row["torch_fwd_s"] / row["lnlib_fwd_s"])
         assert row["lnlib_fwd_copy_fraction"] == pytest.approx(
-            row["lnlib_fwd_GBps"] / data["copy"]["best_GBps"])
+            row["lnlib_fwd_GBps"] / data["copy"]["best_GBps"]
+        )
     assert len(data["steps"]) == 4
     names = [s["step"] for s in data["steps"][0]["steps"]]
     assert names[0].startswith("reference") and names[-1].startswith("torch")
@@ -56,6 +82,9 @@ def test_quick_run_writes_the_table_fields(tmp_path, capsys):
 
 
 def test_command_line_rejects_bad_dtype():
-    proc = subprocess.run([sys.executable, "-m", "lnlib.bench", "--quick", "--dtypes", "int32"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lnlib.bench", "--quick", "--dtypes", "int32"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "--dtypes" in proc.stderr

@@ -65,8 +65,11 @@ def _source_tree(dest):
     """Copy the files git tracks (as they are in the working tree) to ``dest``."""
     if not (ROOT / ".git").exists() or not shutil.which("git"):
         _skip("not a git checkout: the files of a 'pip install git+...' are unknown")
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -77,9 +80,26 @@ def _source_tree(dest):
 def _build_wheel(tmp, env=None):
     src = _source_tree(tmp / "src")
     out = tmp / "wheels"
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", ".", "--no-deps",
-                           "--no-build-isolation", "-w", str(out)], cwd=src,
-                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            ".",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+        ],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (wheel,) = out.glob("lnlib-*.whl")
     return wheel, done.stdout + done.stderr
@@ -94,11 +114,27 @@ def _fresh_venv(tmp, wheel):
     env_dir = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
     python = env_dir / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
-                    "--no-deps", "--no-index", str(wheel)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        check=True,
+    )
     where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = Path(subprocess.run([str(python), "-c", where], capture_output=True, text=True,
-                               check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", where], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
     import _cffi_backend
 
     deps = {Path(np.__file__).parents[1], Path(_cffi_backend.__file__).parent}
@@ -109,8 +145,15 @@ def _fresh_venv(tmp, wheel):
 def _probe(python, tmp):
     """Run PROBE with ``python`` in an empty folder, with no C compiler on PATH."""
     env = {"PATH": str(python.parent), "HOME": str(tmp), "LANG": "C.UTF-8"}
-    done = subprocess.run([str(python), "-c", PROBE], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [str(python), "-c", PROBE],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -207,19 +250,31 @@ def test_never_builds_or_loads_from_cache_or_temp_folders(tmp_path):
         target.parent.mkdir(parents=True)
         target.write_bytes(b"planted")
         planted.append(target)
-    env = dict(os.environ, LNLIB_CACHE_DIR=str(folders["cache"]),
-               XDG_CACHE_HOME=str(folders["xdg"]), HOME=str(folders["home"]),
-               TMPDIR=str(folders["tmp"]))
-    done = subprocess.run([sys.executable, "-c", NO_CACHE_PROBE], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    env = dict(
+        os.environ,
+        LNLIB_CACHE_DIR=str(folders["cache"]),
+        XDG_CACHE_HOME=str(folders["xdg"]),
+        HOME=str(folders["home"]),
+        TMPDIR=str(folders["tmp"]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", NO_CACHE_PROBE],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["info"]["kernel"]
     assert Path(result["info"]["path"]).parent == Path(kernels.__file__).parent
     for folder in folders.values():
         assert str(folder) not in result["maps"]
-        assert sorted(p for p in folder.rglob("*") if p.is_file()) == \
-            [p for p in planted if folder in p.parents]
+        assert sorted(p for p in folder.rglob("*") if p.is_file()) == [
+            p for p in planted if folder in p.parents
+        ]
 
 
 def test_missing_module_in_this_process_warns_once(monkeypatch, rng):

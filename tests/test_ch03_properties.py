@@ -30,8 +30,7 @@ def maxdiff(a, b):
 # --------------------------------------------------------------- the table of Ba et al.
 
 NORMS = {
-    "BatchNorm": lambda h, W: lnlib.batch_norm_forward(h, None, None, training=True,
-                                                       eps=0.0)[0],
+    "BatchNorm": lambda h, W: lnlib.batch_norm_forward(h, None, None, training=True, eps=0.0)[0],
     "WeightNorm": lambda h, W: h / np.linalg.norm(W, axis=1),
     "LayerNorm": lambda h, W: lnlib.layer_norm(h, eps=0.0),
     "RMSNorm": lambda h, W: lnlib.rms_norm(h, eps=0.0),
@@ -39,8 +38,7 @@ NORMS = {
 # Ba, Kiros and Hinton (2016), Table 1; the RMSNorm row from Zhang and Sennrich (2019).
 # Columns: weight matrix re-scaling, weight matrix re-centering, weight vector re-scaling,
 # dataset re-scaling, dataset re-centering, single training case re-scaling.
-PAPER = {"BatchNorm": "YNYYYN", "WeightNorm": "YNYNNN", "LayerNorm": "YYNYNY",
-         "RMSNorm": "YNNYNY"}
+PAPER = {"BatchNorm": "YNYYYN", "WeightNorm": "YNYNNN", "LayerNorm": "YYNYNY", "RMSNorm": "YNNYNY"}
 
 
 def _transforms(g, a):
@@ -51,8 +49,14 @@ def _transforms(g, a):
         m[k] *= a
         return m
 
-    return [lambda W, X: (a * W, X), lambda W, X: (W + v, X), lambda W, X: (one_row(W, 1), X),
-            lambda W, X: (W, a * X), lambda W, X: (W, X + v), lambda W, X: (W, one_row(X, 3))]
+    return [
+        lambda W, X: (a * W, X),
+        lambda W, X: (W + v, X),
+        lambda W, X: (one_row(W, 1), X),
+        lambda W, X: (W, a * X),
+        lambda W, X: (W, X + v),
+        lambda W, X: (W, one_row(X, 3)),
+    ]
 
 
 @given(seeds, factors)
@@ -73,6 +77,7 @@ def test_invariance_table_of_ba_et_al(seed, a):
 
 # ------------------------------------------------------------- one vector: exact invariances
 
+
 @given(seeds, st.floats(-1e3, 1e3), epsilons, st.floats(1e-3, 1e3))
 def test_shift_invariance_holds_for_every_eps(seed, c, eps, scale):
     """Proposition 'Invariances of one vector' (a): LN(x + c 1) = LN(x) for every eps."""
@@ -87,16 +92,22 @@ def test_shift_invariance_holds_for_every_eps(seed, c, eps, scale):
 def test_rescaling_replaces_eps_by_eps_over_a_squared(seed, a, eps):
     """(b): LN(a x; eps) = LN(x; eps / a^2); so LN(a x) = LN(x) at eps = 0 for a > 0."""
     x = rows(seed, 4, 16)
-    np.testing.assert_allclose(lnlib.layer_norm(a * x, eps=eps),
-                               lnlib.layer_norm(x, eps=eps / a**2), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        lnlib.layer_norm(a * x, eps=eps),
+        lnlib.layer_norm(x, eps=eps / a**2),
+        rtol=1e-10,
+        atol=1e-12,
+    )
     if eps == 0.0:
-        np.testing.assert_allclose(lnlib.layer_norm(a * x, eps=0.0), lnlib.layer_norm(x, eps=0.0),
-                                   rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(
+            lnlib.layer_norm(a * x, eps=0.0), lnlib.layer_norm(x, eps=0.0), rtol=1e-10, atol=1e-12
+        )
 
 
 @given(seeds, factors, st.sampled_from([1e-5, 1e-2, 1.0]), st.floats(1e-3, 10))
 def test_rescaling_changes_the_output_by_the_predicted_amount_when_eps_is_positive(
-        seed, a, eps, scale):
+    seed, a, eps, scale
+):
     """(b), the eps effect: the output is multiplied by sqrt((var + eps) / (var + eps / a^2))."""
     x = rows(seed, 1, 16, scale=scale)[0]
     var = x.var()
@@ -113,8 +124,7 @@ def test_negative_scale_flips_the_sign(seed, a, eps):
     """(c): LN(-a x; eps a^2) = -LN(x; eps), which differs from LN(x) unless LN(x) = 0."""
     x = rows(seed, 3, 16)
     y = lnlib.layer_norm(x, eps=eps)
-    np.testing.assert_allclose(lnlib.layer_norm(-a * x, eps=eps * a**2), -y, rtol=1e-10,
-                               atol=1e-12)
+    np.testing.assert_allclose(lnlib.layer_norm(-a * x, eps=eps * a**2), -y, rtol=1e-10, atol=1e-12)
     assert maxdiff(lnlib.layer_norm(-x, eps=eps), y) > 1.0
 
 
@@ -140,7 +150,7 @@ def test_with_eps_the_scale_is_kept_in_the_length_of_xhat(seed, log_ratio, eps):
     """What LayerNorm forgets: with eps > 0, sigma^2 = eps |xhat|^2 / (D - |xhat|^2)
     (float64, variance within 1e-3..1e3 of eps), so a rescaled x has another output."""
     x = rows(seed, 1, 32)[0]
-    x = (x - x.mean()) / x.std() * np.sqrt(eps * 10.0**log_ratio)     # variance eps * 10^k
+    x = (x - x.mean()) / x.std() * np.sqrt(eps * 10.0**log_ratio)  # variance eps * 10^k
     xhat = lnlib.layer_norm(x, eps=eps)
     sq = float(xhat @ xhat)
     assert eps * sq / (32 - sq) == pytest.approx(x.var(), rel=1e-6)
@@ -148,6 +158,7 @@ def test_with_eps_the_scale_is_kept_in_the_length_of_xhat(seed, log_ratio, eps):
 
 
 # ------------------------------------------------------------------------------ geometry
+
 
 @given(seeds, epsilons, st.integers(-6, 3), st.integers(2, 40))
 def test_outputs_lie_on_a_sphere_in_the_hyperplane(seed, eps, log_scale, d):
@@ -169,7 +180,7 @@ def test_after_layer_norm_every_key_wins_for_itself_and_the_ones_query_is_unifor
     the score 0, so attention is uniform."""
     keys = rows(seed, 50, d) * np.random.default_rng(seed + 1).lognormal(0, 1, (50, 1))
     k = lnlib.layer_norm(keys, eps=0.0)
-    scores = k @ k.T                                    # (50, 50), row i: query k_i
+    scores = k @ k.T  # (50, 50), row i: query k_i
     margin = np.diag(scores)[:, None] - scores
     dist2 = ((k[:, None, :] - k[None, :, :]) ** 2).sum(axis=2)
     np.testing.assert_allclose(margin, dist2 / 2, atol=1e-9 * d)
@@ -177,6 +188,7 @@ def test_after_layer_norm_every_key_wins_for_itself_and_the_ones_query_is_unifor
 
 
 # ------------------------------------------------------------------------------ Jacobian
+
 
 def jacobian(x, eps):
     d = x.shape[-1]
@@ -203,7 +215,7 @@ def test_not_lipschitz_without_eps(seed, k):
     """Without eps, |LN(x) - LN(-x)| / |2x| = sqrt(D) / |x - mu 1|: unbounded as x -> 0;
     with eps it is at most 1/sqrt(eps)."""
     x = rows(seed, 1, 16)[0]
-    x = (x - x.mean()) / np.linalg.norm(x - x.mean()) * 10.0**-k     # |x| = 10^-k, mean 0
+    x = (x - x.mean()) / np.linalg.norm(x - x.mean()) * 10.0**-k  # |x| = 10^-k, mean 0
     ratio0 = np.linalg.norm(lnlib.layer_norm(x, eps=0.0) - lnlib.layer_norm(-x, eps=0.0))
     assert ratio0 / (2 * 10.0**-k) == pytest.approx(4.0 * 10.0**k, rel=1e-9)
     ratio = np.linalg.norm(lnlib.layer_norm(x, eps=1e-5) - lnlib.layer_norm(-x, eps=1e-5))
@@ -211,6 +223,7 @@ def test_not_lipschitz_without_eps(seed, k):
 
 
 # -------------------------------------------------------- the weights before a normalization
+
 
 def weight_grad(W, x, dz, eps, norm):
     h = x @ W.T
@@ -231,8 +244,12 @@ def test_weight_gradient_is_orthogonal_to_the_weights_and_scales_as_one_over_a(s
     W, x, dz = g.standard_normal((6, 8)), g.standard_normal((20, 8)), g.standard_normal((20, 6))
     grad = weight_grad(W, x, dz, 0.0, norm)
     assert abs(np.sum(W * grad)) <= 1e-10 * np.linalg.norm(W) * np.linalg.norm(grad)
-    np.testing.assert_allclose(weight_grad(a * W, x, dz, 0.0, norm), grad / a, rtol=1e-8,
-                               atol=1e-12 * np.abs(grad).max() / a)
+    np.testing.assert_allclose(
+        weight_grad(a * W, x, dz, 0.0, norm),
+        grad / a,
+        rtol=1e-8,
+        atol=1e-12 * np.abs(grad).max() / a,
+    )
 
 
 @given(seeds, st.floats(1e-3, 10), st.floats(0, 0.1))
@@ -248,8 +265,14 @@ def test_one_step_changes_the_squared_norm_as_stated(seed, lr, wd):
 
 # ------------------------------------------------------------------------- the batch
 
-@given(seeds, st.sampled_from([np.float32, np.float64]), st.integers(1, 300),
-       st.integers(1, 1100), st.data())
+
+@given(
+    seeds,
+    st.sampled_from([np.float32, np.float64]),
+    st.integers(1, 300),
+    st.integers(1, 1100),
+    st.data(),
+)
 def test_a_rows_result_is_bitwise_independent_of_its_batch(seed, dtype, n, d, data):
     """Section 'Independence from the batch': a row's LayerNorm forward and backward, and its
     RMSNorm, are bitwise the same alone and in any batch at any position."""
@@ -263,8 +286,9 @@ def test_a_rows_result_is_bitwise_independent_of_its_batch(seed, dtype, n, d, da
     part = slice(start, stop)
     y2, mean2, rstd2 = lnlib.layer_norm_forward(x[part])
     np.testing.assert_array_equal(y2, y[part])
-    np.testing.assert_array_equal(lnlib.layer_norm_backward(dy[part], x[part], mean2, rstd2)[0],
-                                  dx[part])
+    np.testing.assert_array_equal(
+        lnlib.layer_norm_backward(dy[part], x[part], mean2, rstd2)[0], dx[part]
+    )
     np.testing.assert_array_equal(lnlib.rms_norm(x[part]), lnlib.rms_norm(x)[part])
 
 

@@ -42,8 +42,12 @@ def test_kernel_and_numpy_paths_agree(kernel, rng, dtype, n):
     def run():
         fwd = lnlib.layer_norm_forward(x, w, b)
         r = lnlib.rms_norm_forward(x, w)
-        return (*fwd, *lnlib.layer_norm_backward(dy, x, *fwd[1:], w),
-                *r, *lnlib.rms_norm_backward(dy, x, r[1], w))
+        return (
+            *fwd,
+            *lnlib.layer_norm_backward(dy, x, *fwd[1:], w),
+            *r,
+            *lnlib.rms_norm_backward(dy, x, r[1], w),
+        )
 
     with lnlib.use_implementation("kernel"):
         fast = run()
@@ -101,8 +105,15 @@ def test_results_do_not_depend_on_threads_batch_or_alignment(kernel, rng, dtype)
         y, mean, rstd = kernel.layer_norm_forward_rows(x, w, b, 1e-5, threads=threads)
         grads = kernel.layer_norm_backward_rows(dy, x, mean, rstd, w, threads=threads)
         ry, r = kernel.rms_norm_forward_rows(x, w, 1e-5, threads=threads)
-        return (y, mean, rstd, *grads, ry, r, *kernel.rms_norm_backward_rows(dy, x, r, w,
-                                                                             threads=threads))
+        return (
+            y,
+            mean,
+            rstd,
+            *grads,
+            ry,
+            r,
+            *kernel.rms_norm_backward_rows(dy, x, r, w, threads=threads),
+        )
 
     base = all_outputs(x, dy, 1)
     for threads in (2, 3, 7):
@@ -110,8 +121,8 @@ def test_results_do_not_depend_on_threads_batch_or_alignment(kernel, rng, dtype)
             np.testing.assert_array_equal(a, c)
     # row 17 alone, and at an odd address inside a wider buffer (rows with a gap)
     wide = np.zeros((m, n + 3), dtype=dtype)
-    wide[:, 1:n + 1] = x
-    shifted = all_outputs(wide[:, 1:n + 1], dy, 2)
+    wide[:, 1 : n + 1] = x
+    shifted = all_outputs(wide[:, 1 : n + 1], dy, 2)
     alone = all_outputs(x[17:18].copy(), dy[17:18].copy(), 1)
     for a, c in zip(shifted, base):
         np.testing.assert_array_equal(a, c)
@@ -131,8 +142,9 @@ def test_binding_rejects_wrong_dtypes_and_argument_counts(kernel):
     lib.layer_norm_forward_f32(p(x), 4, ones, zeros, p(y), p(mean), p(rstd), 2, 4, 1e-5)
     np.testing.assert_allclose(y, 0)
     with pytest.raises(TypeError):  # a float64 array where float * is declared
-        lib.layer_norm_forward_f32(p(x), 4, ones, zeros, p(y), p(mean.astype(np.float64)),
-                                   p(rstd), 2, 4, 1e-5)
+        lib.layer_norm_forward_f32(
+            p(x), 4, ones, zeros, p(y), p(mean.astype(np.float64)), p(rstd), 2, 4, 1e-5
+        )
     with pytest.raises(TypeError):  # eps forgotten
         lib.layer_norm_forward_f32(p(x), 4, ones, zeros, p(y), p(mean), p(rstd), 2, 4)
     with pytest.raises(TypeError):  # a length where a pointer is declared
@@ -149,15 +161,18 @@ def test_read_only_input_is_accepted_and_never_written(kernel, rng):
 # --- PASSES (the description chapter 5 imports) against the C source -------------------------
 
 _ARRAYS = ("x", "dy", "weight", "bias", "y", "dx", "dweight", "dbias")
-_PASS = re.compile(r"FN\(row_\w+\)\((?P<call>[^;]*);"
-                   r"|for \(ptrdiff_t i = 0; i < n; i\+\+\)(?P<loop>\s*\{.*?\n    \}|[^;]*;)",
-                   re.DOTALL)
+_PASS = re.compile(
+    r"FN\(row_\w+\)\((?P<call>[^;]*);"
+    r"|for \(ptrdiff_t i = 0; i < n; i\+\+\)(?P<loop>\s*\{.*?\n    \}|[^;]*;)",
+    re.DOTALL,
+)
 
 
 def _row_function_body(op):
     source = (KERNEL_DIR / "norms_cpu_typed.h").read_text()
-    match = re.search(r"static void FN\(" + op + r"_row\)\([^)]*\)\n\{\n(.*?)\n\}\n", source,
-                      re.DOTALL)
+    match = re.search(
+        r"static void FN\(" + op + r"_row\)\([^)]*\)\n\{\n(.*?)\n\}\n", source, re.DOTALL
+    )
     assert match, f"no row function for {op} in norms_cpu_typed.h"
     return match.group(1)
 
@@ -208,8 +223,21 @@ def _build_variant(tmp_path, name, flags):
     if not shutil.which(cc):
         pytest.skip(f"no C compiler ({cc}) to build the {name} variant")
     out = tmp_path / f"norms_{name}.so"
-    subprocess.run([cc, *builder.FLAGS, *flags, "-DNORMS_NO_CLONES", "-shared", "-fPIC", "-o",
-                    str(out), str(KERNEL_DIR / "norms_cpu.c"), "-lm"], check=True)
+    subprocess.run(
+        [
+            cc,
+            *builder.FLAGS,
+            *flags,
+            "-DNORMS_NO_CLONES",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(out),
+            str(KERNEL_DIR / "norms_cpu.c"),
+            "-lm",
+        ],
+        check=True,
+    )
     ffi = cffi.FFI()
     ffi.cdef(builder.declarations())
     return ffi, ffi.dlopen(str(out))
@@ -220,20 +248,34 @@ def _run_variant(ffi, lib, x, w, b, dy):
     ctype, suffix = ("float", "f32") if x.dtype == np.float32 else ("double", "f64")
     m, n = x.shape
     blocks = -(-m // lib.NORMS_BLOCK_ROWS)
-    out = {k: np.zeros(s, x.dtype) for k, s in
-           (("y", (m, n)), ("mean", m), ("rstd", m), ("dx", (m, n)), ("ry", (m, n)),
-            ("rrstd", m), ("rdx", (m, n)))}
+    out = {
+        k: np.zeros(s, x.dtype)
+        for k, s in (
+            ("y", (m, n)),
+            ("mean", m),
+            ("rstd", m),
+            ("dx", (m, n)),
+            ("ry", (m, n)),
+            ("rrstd", m),
+            ("rdx", (m, n)),
+        )
+    }
     out.update({k: np.zeros((blocks, n)) for k in ("dw", "db", "rdw")})
-    p = {k: ffi.from_buffer(("double" if k in ("dw", "db", "rdw") else ctype) + "[]", v)
-         for k, v in out.items()}
+    p = {
+        k: ffi.from_buffer(("double" if k in ("dw", "db", "rdw") else ctype) + "[]", v)
+        for k, v in out.items()
+    }
     px, pw, pb, pdy = (ffi.from_buffer(ctype + "[]", a) for a in (x, w, b, dy))
-    getattr(lib, f"layer_norm_forward_{suffix}")(px, n, pw, pb, p["y"], p["mean"], p["rstd"],
-                                                m, n, 1e-5)
-    getattr(lib, f"layer_norm_backward_{suffix}")(pdy, n, px, n, p["mean"], p["rstd"], pw,
-                                                 p["dx"], p["dw"], p["db"], m, n)
+    getattr(lib, f"layer_norm_forward_{suffix}")(
+        px, n, pw, pb, p["y"], p["mean"], p["rstd"], m, n, 1e-5
+    )
+    getattr(lib, f"layer_norm_backward_{suffix}")(
+        pdy, n, px, n, p["mean"], p["rstd"], pw, p["dx"], p["dw"], p["db"], m, n
+    )
     getattr(lib, f"rms_norm_forward_{suffix}")(px, n, pw, p["ry"], p["rrstd"], m, n, 1e-5)
-    getattr(lib, f"rms_norm_backward_{suffix}")(pdy, n, px, n, p["rrstd"], pw, p["rdx"],
-                                               p["rdw"], m, n)
+    getattr(lib, f"rms_norm_backward_{suffix}")(
+        pdy, n, px, n, p["rrstd"], pw, p["rdx"], p["rdw"], m, n
+    )
     return out
 
 
@@ -256,5 +298,6 @@ def test_every_vector_width_gives_the_same_bits(kernel, tmp_path):
             results = {k: _run_variant(*v, x, w, b, dy) for k, v in variants.items()}
             for name, got in results.items():
                 for key, value in got.items():
-                    np.testing.assert_array_equal(value, results["baseline"][key],
-                                                  err_msg=f"{name} {key} {dtype} n={n}")
+                    np.testing.assert_array_equal(
+                        value, results["baseline"][key], err_msg=f"{name} {key} {dtype} n={n}"
+                    )

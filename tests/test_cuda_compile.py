@@ -47,14 +47,26 @@ def instantiation_source():
     """The kernel source plus one address-of per name expression, which instantiates it."""
     names = kernels.all_name_expressions()
     refs = ",\n".join(f"        (const void*)&{n}" for n in names)
-    return (kernels.source() + "\n// Instantiate what CuPy names at run time.\n"
-            "const void* lnlib_kernel_address(int i) {\n"
-            f"    static const void* const all[] = {{\n{refs}\n    }};\n    return all[i];\n}}\n")
+    return (
+        kernels.source() + "\n// Instantiate what CuPy names at run time.\n"
+        "const void* lnlib_kernel_address(int i) {\n"
+        f"    static const void* const all[] = {{\n{refs}\n    }};\n    return all[i];\n}}\n"
+    )
 
 
 def nvcc_command(arch, src, out):
-    return [NVCC, "-cubin", f"-arch=sm_{arch}", *kernels.OPTIONS, *CUPY_ADDED,
-            "-Xptxas", "-v", "-o", str(out), str(src)]
+    return [
+        NVCC,
+        "-cubin",
+        f"-arch=sm_{arch}",
+        *kernels.OPTIONS,
+        *CUPY_ADDED,
+        "-Xptxas",
+        "-v",
+        "-o",
+        str(out),
+        str(src),
+    ]
 
 
 def _compile(arch, folder):
@@ -71,7 +83,7 @@ def _read_name(s, i):
     while s[j].isdigit():
         j += 1
     n = int(s[i:j])
-    return s[j:j + n], j + n
+    return s[j : j + n], j + n
 
 
 _TYPE = {"f": "float", "d": "double"}
@@ -88,7 +100,7 @@ def demangle(sym):
     else:
         t, i = _read_name(sym, i)
         args = [t]
-    while (m := re.match(r"Li(\d+)E", sym[i:])):
+    while m := re.match(r"Li(\d+)E", sym[i:]):
         args.append(m.group(1))
         i += m.end()
     return f"{name}<{', '.join(args)}>"
@@ -102,11 +114,13 @@ def parse_report(log):
         if m:
             current = demangle(m.group(1))
             report[current] = {}
-        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
-                      line)
+        m = re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line
+        )
         if m and current:
-            report[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
-                                   spill_loads=int(m.group(3)))
+            report[current].update(
+                stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3))
+            )
         m = re.search(r"Used (\d+) registers", line)
         if m and current:
             report[current]["registers"] = int(m.group(1))
@@ -155,8 +169,26 @@ def test_launch_shapes_cover_every_row_length(op, dtype):
     """Every row length 1 .. 2^20 maps to a compiled kernel whose tiles cover the row."""
     names = set(kernels.all_name_expressions())
     vec = 16 // kernels.ITEMSIZE[dtype]
-    lengths = [1, 2, 3, 7, 31, 33, 127, 513, 768, 1000, 1024, 4096, 4097, 8192, 16384, 65536,
-               65537, 2**20]
+    lengths = [
+        1,
+        2,
+        3,
+        7,
+        31,
+        33,
+        127,
+        513,
+        768,
+        1000,
+        1024,
+        4096,
+        4097,
+        8192,
+        16384,
+        65536,
+        65537,
+        2**20,
+    ]
     for d in lengths:
         r, maxv, tiles = kernels.launch_shape(op, dtype, d)
         assert kernels.kernel_name(op, dtype, r, maxv) in names
@@ -197,13 +229,17 @@ def test_cupy_nvrtc_compiles_every_module_by_name():
     from cupy._core import core
     from cupy.cuda import compiler
 
-    options = (core.assemble_cupy_compiler_options(kernels.OPTIONS) + CUPY_ADDED
-               + ("-arch=sm_90", "--device-as-default-execution-space"))
+    options = (
+        core.assemble_cupy_compiler_options(kernels.OPTIONS)
+        + CUPY_ADDED
+        + ("-arch=sm_90", "--device-as-default-execution-space")
+    )
     for op in kernels.OPS:
         for dtype in kernels.TYPE_NAMES:
             names = kernels.name_expressions(op, dtype)
-            program = compiler._NVRTCProgram(kernels.source(), "norms_cuda.cu",
-                                             name_expressions=names, method="cubin")
+            program = compiler._NVRTCProgram(
+                kernels.source(), "norms_cuda.cu", name_expressions=names, method="cubin"
+            )
             cubin, mapping = program.compile(options)
             assert cubin and set(mapping) == set(names), f"{op} {dtype}: names not resolved"
 

@@ -63,8 +63,9 @@ def test_matches_torch(rng, shape, dtype, affine, alpha):
 def test_matches_float64_reference(rng, shape, dtype):
     x, w, b, dy = _data(rng, shape, dtype)
     x64, w64, b64, dy64 = (a.astype(np.float64) for a in (x, w, b, dy))
-    assert_close(lnlib.dynamic_tanh(x, 0.8, w, b), reference.dynamic_tanh(x64, 0.8, w64, b64),
-                 dtype)
+    assert_close(
+        lnlib.dynamic_tanh(x, 0.8, w, b), reference.dynamic_tanh(x64, 0.8, w64, b64), dtype
+    )
     got = lnlib.dynamic_tanh_backward(dy, x, 0.8, w)
     want = reference.dynamic_tanh_backward(dy64, x64, 0.8, w64)
     for a, e in zip(got, want):
@@ -77,8 +78,9 @@ def test_finite_differences(rng, shape):
     alpha = 0.7
     dx, dalpha, dw, db = lnlib.dynamic_tanh_backward(dy, x, alpha, w)
     lnlib.check_grad(lambda v: lnlib.dynamic_tanh(v, alpha, w, b), x, dy, dx)
-    lnlib.check_grad(lambda v: lnlib.dynamic_tanh(x, v, w, b), np.array(alpha), dy, dalpha,
-                     name="dalpha")
+    lnlib.check_grad(
+        lambda v: lnlib.dynamic_tanh(x, v, w, b), np.array(alpha), dy, dalpha, name="dalpha"
+    )
     lnlib.check_grad(lambda v: lnlib.dynamic_tanh(x, alpha, v, b), w, dy, dw, name="dweight")
     lnlib.check_grad(lambda v: lnlib.dynamic_tanh(x, alpha, w, v), b, dy, db, name="dbias")
     dx1, _, dw1, _ = lnlib.dynamic_tanh_backward(dy, x, alpha)
@@ -93,11 +95,13 @@ def test_batch_invariance_bitwise(rng, dtype):
     dx = lnlib.dynamic_tanh_backward(dy, x, 0.5, w)[0]
     perm = rng.permutation(300)
     np.testing.assert_array_equal(lnlib.dynamic_tanh(x[perm], 0.5, w, b), y[perm])
-    np.testing.assert_array_equal(lnlib.dynamic_tanh_backward(dy[perm], x[perm], 0.5, w)[0],
-                                  dx[perm])
+    np.testing.assert_array_equal(
+        lnlib.dynamic_tanh_backward(dy[perm], x[perm], 0.5, w)[0], dx[perm]
+    )
     np.testing.assert_array_equal(lnlib.dynamic_tanh(x[7:8], 0.5, w, b)[0], y[7])
-    np.testing.assert_array_equal(lnlib.dynamic_tanh(x[::-1, ::-1], 0.5, w[::-1], b[::-1]),
-                                  y[::-1, ::-1])
+    np.testing.assert_array_equal(
+        lnlib.dynamic_tanh(x[::-1, ::-1], 0.5, w[::-1], b[::-1]), y[::-1, ::-1]
+    )
 
 
 def test_inputs_not_modified_and_float16_large_values(rng):
@@ -136,26 +140,41 @@ def test_layer_and_torch_module(rng):
     np.testing.assert_allclose(module.alpha.grad.numpy(), layer.dalpha, rtol=1e-12)
     a = torch.tensor(0.6, dtype=torch.float64, requires_grad=True)
     params = [torch_tensor(p, True) for p in (w, b)]
-    assert torch.autograd.gradcheck(lambda x, a, w, b: tb.dynamic_tanh(x, a, w, b),
-                                    (torch_tensor(x, True), a, *params))
+    assert torch.autograd.gradcheck(
+        lambda x, a, w, b: tb.dynamic_tanh(x, a, w, b), (torch_tensor(x, True), a, *params)
+    )
     with pytest.raises(RuntimeError, match="backward called before forward"):
         lnlib.DynamicTanh(3).backward(np.ones((1, 3)))
 
 
-@pytest.mark.parametrize("call, error, words", [
-    (lambda x: lnlib.dynamic_tanh(x, np.ones(2)), ValueError, "alpha must be a scalar"),
-    (lambda x: lnlib.dynamic_tanh(x, "0.5"), TypeError, "alpha must be a real number"),
-    (lambda x: lnlib.dynamic_tanh(x, True), TypeError, "alpha must be a real number"),
-    (lambda x: lnlib.dynamic_tanh(x, float("nan")), ValueError, "alpha must be finite"),
-    (lambda x: lnlib.dynamic_tanh(x, np.array(1)), TypeError, "alpha must have a floating"),
-    (lambda x: lnlib.dynamic_tanh(x.astype(int), 0.5), TypeError, "x must have a floating"),
-    (lambda x: lnlib.dynamic_tanh(x[0, 0, 0], 0.5), ValueError, "x must have at least one axis"),
-    (lambda x: lnlib.dynamic_tanh(x, 0.5, np.ones(3)), ValueError,
-     r"weight must have shape \(4,\)"),
-    (lambda x: lnlib.dynamic_tanh(x, 0.5, None, np.ones((1, 4))), ValueError, "bias must"),
-    (lambda x: lnlib.dynamic_tanh_backward(x[:1], x, 0.5), ValueError, "dy must have the shape"),
-    (lambda x: lnlib.dynamic_tanh_backward(x, x, 0.5, np.ones(5)), ValueError, "weight must"),
-])
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda x: lnlib.dynamic_tanh(x, np.ones(2)), ValueError, "alpha must be a scalar"),
+        (lambda x: lnlib.dynamic_tanh(x, "0.5"), TypeError, "alpha must be a real number"),
+        (lambda x: lnlib.dynamic_tanh(x, True), TypeError, "alpha must be a real number"),
+        (lambda x: lnlib.dynamic_tanh(x, float("nan")), ValueError, "alpha must be finite"),
+        (lambda x: lnlib.dynamic_tanh(x, np.array(1)), TypeError, "alpha must have a floating"),
+        (lambda x: lnlib.dynamic_tanh(x.astype(int), 0.5), TypeError, "x must have a floating"),
+        (
+            lambda x: lnlib.dynamic_tanh(x[0, 0, 0], 0.5),
+            ValueError,
+            "x must have at least one axis",
+        ),
+        (
+            lambda x: lnlib.dynamic_tanh(x, 0.5, np.ones(3)),
+            ValueError,
+            r"weight must have shape \(4,\)",
+        ),
+        (lambda x: lnlib.dynamic_tanh(x, 0.5, None, np.ones((1, 4))), ValueError, "bias must"),
+        (
+            lambda x: lnlib.dynamic_tanh_backward(x[:1], x, 0.5),
+            ValueError,
+            "dy must have the shape",
+        ),
+        (lambda x: lnlib.dynamic_tanh_backward(x, x, 0.5, np.ones(5)), ValueError, "weight must"),
+    ],
+)
 def test_bad_input_names_the_argument(rng, call, error, words):
     with pytest.raises(error, match=words):
         call(rng.standard_normal((2, 3, 4)))

@@ -29,11 +29,15 @@ def _ruff():
     return exe
 
 
-@pytest.mark.skip(reason="enabled by the lead after the final ruff format pass")
 @pytest.mark.parametrize("args", [["check"], ["format", "--check"]], ids=["lint", "format"])
 def test_ruff_clean(args):
-    run = subprocess.run([_ruff(), *args, "lnlib", "tests", "tools"], cwd=ROOT,
-                         capture_output=True, text=True, check=False)
+    run = subprocess.run(
+        [_ruff(), *args, "lnlib", "tests", "tools"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -41,9 +45,13 @@ def _public_names(module):
     """The module's ``__all__``, or else the functions and classes it defines without a ``_``."""
     if hasattr(module, "__all__"):
         return list(module.__all__)
-    return [name for name, obj in vars(module).items()
-            if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
-            and obj.__module__ == module.__name__]
+    return [
+        name
+        for name, obj in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(obj) or inspect.isclass(obj))
+        and obj.__module__ == module.__name__
+    ]
 
 
 def _methods(cls):
@@ -84,12 +92,12 @@ def _inherited_signature(obj):
     can describe truthfully. Its parameter checks are made on its ``forward`` and ``backward``
     (static methods, validated below) instead; its summary and docstring are still checked."""
     torch = sys.modules.get("torch")
-    return (torch is not None and inspect.isclass(obj)
-            and issubclass(obj, torch.autograd.Function))
+    return torch is not None and inspect.isclass(obj) and issubclass(obj, torch.autograd.Function)
 
 
-@pytest.mark.parametrize("name,obj", _public_objects(),
-                         ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "name,obj", _public_objects(), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_numpydoc(name, obj):
     from numpydoc.validate import validate
 
@@ -102,10 +110,14 @@ def test_numpydoc(name, obj):
 def test_numpydoc_gate_sees_methods_and_the_reference():
     """The gate covers what it claims: methods (static ones too) and lnlib.reference."""
     names = {name for name, _ in _public_objects()}
-    assert {"lnlib.LayerNorm.backward", "lnlib.BatchNorm.eval",
-            "lnlib.torch_bridge.LayerNormFunction.backward",
-            "lnlib.torch_bridge.RMSNorm.reset_parameters",
-            "lnlib.reference.layer_norm_forward", "lnlib.recompute.saved_bytes"} <= names
+    assert {
+        "lnlib.LayerNorm.backward",
+        "lnlib.BatchNorm.eval",
+        "lnlib.torch_bridge.LayerNormFunction.backward",
+        "lnlib.torch_bridge.RMSNorm.reset_parameters",
+        "lnlib.reference.layer_norm_forward",
+        "lnlib.recompute.saved_bytes",
+    } <= names
 
 
 # ``Covered in :ref:`label``` or ``:doc:`/book/page``` (optionally ``title <target>``).
@@ -119,8 +131,9 @@ def _book_labels():
     return labels
 
 
-@pytest.mark.parametrize("name,obj", _public_objects(methods=False),
-                         ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "name,obj", _public_objects(methods=False), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_covered_in_is_a_checked_cross_reference(name, obj):
     """Each public function and class links the book section that covers it, to a target
     that exists (the strict build, ``-n``, would fail on a missing one as well)."""
@@ -132,20 +145,28 @@ def test_covered_in_is_a_checked_cross_reference(name, obj):
             assert target in labels, f"{name}: :ref:`{target}` is no label in book/*.md"
         else:
             page = ROOT / target.lstrip("/")
-            assert (page.with_suffix(".md").exists() or page.with_suffix(".ipynb").exists()), \
+            assert page.with_suffix(".md").exists() or page.with_suffix(".ipynb").exists(), (
                 f"{name}: :doc:`{target}` is no page (use a path from the root, /book/...)"
+            )
 
 
 def _code_lines(source, node):
     """Lines of code of a function: not blank, not a comment, not its docstring."""
-    lines = source.splitlines()[node.lineno - 1:node.end_lineno]
+    lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
     body = node.body
     skip = range(0)
-    if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         skip = range(body[0].lineno - node.lineno, body[0].end_lineno - node.lineno + 1)
-    return sum(1 for i, line in enumerate(lines)
-               if i not in skip and line.strip() and not line.strip().startswith("#"))
+    return sum(
+        1
+        for i, line in enumerate(lines)
+        if i not in skip and line.strip() and not line.strip().startswith("#")
+    )
 
 
 def _function_lengths(source, where):

@@ -179,20 +179,20 @@ def test_strided_and_misaligned_inputs_give_the_same_bits(rng, dtype, d):
     w = _data(rng, d, dtype)
     want = lnlib.layer_norm_forward(cp.asarray(x), cp.asarray(w))
     wide = cp.zeros((m, 2 * d + 1), dtype=dtype)
-    wide[:, 1:d + 1] = cp.asarray(x)  # row stride 2d+1, first element off alignment
+    wide[:, 1 : d + 1] = cp.asarray(x)  # row stride 2d+1, first element off alignment
     every_other = cp.zeros((m, 2 * d), dtype=dtype)
     every_other[:, ::2] = cp.asarray(x)
-    for view, name in ((wide[:, 1:d + 1], "offset rows"), (every_other[:, ::2], "strided")):
+    for view, name in ((wide[:, 1 : d + 1], "offset rows"), (every_other[:, ::2], "strided")):
         before = view.copy()
         got = lnlib.layer_norm_forward(view, cp.asarray(w))
         _same_bits(view, before, f"{name}: input modified")
         for a, b, out in zip(got, want, ("y", "mean", "rstd")):
             _same_bits(a, b, f"{name} {out}")
     dy = _data(rng, (m, d), dtype)
-    back = lnlib.layer_norm_backward(cp.asarray(dy), cp.asarray(x), want[1], want[2],
-                                     cp.asarray(w))
-    back_view = lnlib.layer_norm_backward(cp.asarray(dy)[:, :], wide[:, 1:d + 1], want[1],
-                                          want[2], cp.asarray(w))
+    back = lnlib.layer_norm_backward(cp.asarray(dy), cp.asarray(x), want[1], want[2], cp.asarray(w))
+    back_view = lnlib.layer_norm_backward(
+        cp.asarray(dy)[:, :], wide[:, 1 : d + 1], want[1], want[2], cp.asarray(w)
+    )
     for a, b, out in zip(back_view, back, ("dx", "dweight", "dbias")):
         _same_bits(a, b, f"offset rows {out}")
 
@@ -237,8 +237,11 @@ def test_against_torch_on_cuda(rng, dtype, d):
     yr.backward(torch.tensor(dy, device="cuda"))
     y2, rstd2 = lnlib.rms_norm_forward(cp.asarray(x), cp.asarray(w))
     dx2, dw2 = lnlib.rms_norm_backward(cp.asarray(dy), cp.asarray(x), rstd2, cp.asarray(w))
-    for got, t, name, f in ((y2, yr, "rms y", 2), (dx2, xr.grad, "rms dx", 20),
-                            (dw2, wr.grad, "rms dweight", 200)):
+    for got, t, name, f in (
+        (y2, yr, "rms y", 2),
+        (dx2, xr.grad, "rms dx", 20),
+        (dw2, wr.grad, "rms dweight", 200),
+    ):
         want = t.detach().double().cpu().numpy()
         err = float(np.max(np.abs(cp.asnumpy(got).astype(np.float64) - want)))
         assert err <= tol * f * max(1.0, float(np.max(np.abs(want)))), f"{name}: {err:.3g}"

@@ -104,14 +104,16 @@ def test_batch_invariance_bitwise(rng, dtype):
     yp, mp, rp = lnlib.group_norm_forward(x[perm], 4, w, b)
     np.testing.assert_array_equal(yp, y[perm])
     np.testing.assert_array_equal(mp, mean[perm])
-    np.testing.assert_array_equal(lnlib.group_norm_backward(dy[perm], x[perm], mp, rp, 4, w)[0],
-                                  dx[perm])
+    np.testing.assert_array_equal(
+        lnlib.group_norm_backward(dy[perm], x[perm], mp, rp, 4, w)[0], dx[perm]
+    )
     for i in (0, 5, 63):  # one sample alone, and a batch of two
-        np.testing.assert_array_equal(lnlib.group_norm(x[i:i + 1], 4, w, b)[0], y[i])
+        np.testing.assert_array_equal(lnlib.group_norm(x[i : i + 1], 4, w, b)[0], y[i])
         np.testing.assert_array_equal(lnlib.group_norm(x[[i, 1]], 4, w, b)[0], y[i])
     strided = x[:, :, ::-1, ::2]
-    np.testing.assert_array_equal(lnlib.group_norm(strided, 4, w, b),
-                                  lnlib.group_norm(np.ascontiguousarray(strided), 4, w, b))
+    np.testing.assert_array_equal(
+        lnlib.group_norm(strided, 4, w, b), lnlib.group_norm(np.ascontiguousarray(strided), 4, w, b)
+    )
 
 
 @given(scale=st.floats(0.01, 100.0), shift=st.floats(-50, 50), seed=st.integers(0, 100))
@@ -154,26 +156,40 @@ def test_float16_statistics_are_used_in_float32(rng):
     assert got[0].dtype == np.float32 and all(np.all(np.isfinite(a)) for a in got)
 
 
-@pytest.mark.parametrize("call, error, words", [
-    (lambda x, w: lnlib.group_norm(x, 5), ValueError, "num_groups must divide"),
-    (lambda x, w: lnlib.group_norm(x, 0), ValueError, "num_groups must be >= 1"),
-    (lambda x, w: lnlib.group_norm(x, 2.0), TypeError, "num_groups must be an int"),
-    (lambda x, w: lnlib.group_norm(x, True), TypeError, "num_groups must be an int"),
-    (lambda x, w: lnlib.group_norm(x[0, 0], 1), ValueError, "at least 2 axes"),
-    (lambda x, w: lnlib.group_norm(x[:, :, :0], 2), ValueError,
-     "no values to normalize in a group"),
-    (lambda x, w: lnlib.group_norm(x.astype(int), 2), TypeError, "x must have a floating"),
-    (lambda x, w: lnlib.group_norm(x, 2, w[:3]), ValueError,
-     r"weight must have shape \(4,\)"),
-    (lambda x, w: lnlib.group_norm(x, 2, None, np.ones((4, 1))), ValueError, "bias must"),
-    (lambda x, w: lnlib.group_norm(x, 2, eps=-1.0), ValueError, "eps must be finite"),
-    (lambda x, w: lnlib.group_norm_backward(x[:1], x, np.zeros((2, 2)), np.ones((2, 2)), 2),
-     ValueError, "dy must have the shape of x"),
-    (lambda x, w: lnlib.group_norm_backward(x, x, np.zeros((2, 4)), np.ones((2, 4)), 2),
-     ValueError, r"mean must have shape \(N, G\)"),
-    (lambda x, w: lnlib.group_norm_backward(x, x, np.zeros((2, 2)), np.ones(2), 2),
-     ValueError, r"rstd must have shape \(N, G\)"),
-])
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda x, w: lnlib.group_norm(x, 5), ValueError, "num_groups must divide"),
+        (lambda x, w: lnlib.group_norm(x, 0), ValueError, "num_groups must be >= 1"),
+        (lambda x, w: lnlib.group_norm(x, 2.0), TypeError, "num_groups must be an int"),
+        (lambda x, w: lnlib.group_norm(x, True), TypeError, "num_groups must be an int"),
+        (lambda x, w: lnlib.group_norm(x[0, 0], 1), ValueError, "at least 2 axes"),
+        (
+            lambda x, w: lnlib.group_norm(x[:, :, :0], 2),
+            ValueError,
+            "no values to normalize in a group",
+        ),
+        (lambda x, w: lnlib.group_norm(x.astype(int), 2), TypeError, "x must have a floating"),
+        (lambda x, w: lnlib.group_norm(x, 2, w[:3]), ValueError, r"weight must have shape \(4,\)"),
+        (lambda x, w: lnlib.group_norm(x, 2, None, np.ones((4, 1))), ValueError, "bias must"),
+        (lambda x, w: lnlib.group_norm(x, 2, eps=-1.0), ValueError, "eps must be finite"),
+        (
+            lambda x, w: lnlib.group_norm_backward(x[:1], x, np.zeros((2, 2)), np.ones((2, 2)), 2),
+            ValueError,
+            "dy must have the shape of x",
+        ),
+        (
+            lambda x, w: lnlib.group_norm_backward(x, x, np.zeros((2, 4)), np.ones((2, 4)), 2),
+            ValueError,
+            r"mean must have shape \(N, G\)",
+        ),
+        (
+            lambda x, w: lnlib.group_norm_backward(x, x, np.zeros((2, 2)), np.ones(2), 2),
+            ValueError,
+            r"rstd must have shape \(N, G\)",
+        ),
+    ],
+)
 def test_bad_input_names_the_argument(rng, call, error, words):
     x = rng.standard_normal((2, 4, 3))
     w = np.ones(4)
@@ -222,9 +238,14 @@ def test_torch_bridge_gradcheck_and_module(rng):
     torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-4, atol=1e-4)
 
 
-@given(n=st.integers(1, 6), groups=st.sampled_from([1, 2, 3]), per=st.integers(1, 3),
-       spatial=st.lists(st.integers(1, 5), max_size=2), seed=st.integers(0, 1000),
-       dtype=st.sampled_from(DTYPES))
+@given(
+    n=st.integers(1, 6),
+    groups=st.sampled_from([1, 2, 3]),
+    per=st.integers(1, 3),
+    spatial=st.lists(st.integers(1, 5), max_size=2),
+    seed=st.integers(0, 1000),
+    dtype=st.sampled_from(DTYPES),
+)
 def test_one_sample_is_the_same_in_any_batch(n, groups, per, spatial, seed, dtype):
     """The book's batch-independence claim: a sample's output (and its dx) are bitwise the
     same whatever other samples share its batch."""
@@ -236,7 +257,8 @@ def test_one_sample_is_the_same_in_any_batch(n, groups, per, spatial, seed, dtyp
     i = int(r.integers(n))
     y, mean, rstd = lnlib.group_norm_forward(x, groups, w, w)
     dx = lnlib.group_norm_backward(dy, x, mean, rstd, groups, w)[0]
-    y1, m1, r1 = lnlib.group_norm_forward(x[i:i + 1], groups, w, w)
+    y1, m1, r1 = lnlib.group_norm_forward(x[i : i + 1], groups, w, w)
     np.testing.assert_array_equal(y1[0], y[i])
     np.testing.assert_array_equal(
-        lnlib.group_norm_backward(dy[i:i + 1], x[i:i + 1], m1, r1, groups, w)[0][0], dx[i])
+        lnlib.group_norm_backward(dy[i : i + 1], x[i : i + 1], m1, r1, groups, w)[0][0], dx[i]
+    )

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch.nn.functional as F
+from conftest import assert_close, host, on, torch_tensor
 
 import lnlib
 from lnlib import reference
-from conftest import assert_close, host, on, torch_tensor
 
 # Every test here runs with the compiled CPU kernel and with the NumPy fast path.
 pytestmark = pytest.mark.usefixtures("cpu_path")
@@ -493,8 +493,9 @@ def test_numpy_path_parameter_gradients_do_not_depend_on_threads(rng):
     want = numpy_rows.layer_norm_backward_rows(dy, x, mean, rstd, w, block_rows=64, threads=1)
     want_r = numpy_rows.rms_norm_backward_rows(dy, x, r, w, block_rows=64, threads=1)
     for threads in (2, 3, 5):
-        got = numpy_rows.layer_norm_backward_rows(dy, x, mean, rstd, w, block_rows=64,
-                                                  threads=threads)
+        got = numpy_rows.layer_norm_backward_rows(
+            dy, x, mean, rstd, w, block_rows=64, threads=threads
+        )
         got_r = numpy_rows.rms_norm_backward_rows(dy, x, r, w, block_rows=64, threads=threads)
         for a, b in zip((*got, *got_r), (*want, *want_r)):
             np.testing.assert_array_equal(a, b)

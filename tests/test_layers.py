@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from conftest import torch_tensor
 
 import lnlib
-from conftest import torch_tensor
 
 # Every test here runs with the compiled CPU kernel and with the NumPy fast path.
 pytestmark = pytest.mark.usefixtures("cpu_path")

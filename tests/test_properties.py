@@ -2,12 +2,13 @@
 claims."""
 
 import numpy as np
-from hypothesis import assume, given, strategies as st
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import lnlib
 from lnlib import reference
-import pytest
 
 # Every test here runs with the compiled CPU kernel and with the NumPy fast path.
 pytestmark = pytest.mark.usefixtures("cpu_path")

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch.nn.functional as F
+from conftest import assert_close, host, on, torch_tensor
 
 import lnlib
 from lnlib import reference
-from conftest import assert_close, host, on, torch_tensor
 
 # Every test here runs with the compiled CPU kernel and with the NumPy fast path.
 pytestmark = pytest.mark.usefixtures("cpu_path")

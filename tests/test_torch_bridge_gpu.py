@@ -73,11 +73,21 @@ def test_layer_norm_and_rms_norm_on_cuda_tensors(torch, dtype, tol):
     w, b = (torch.randn(80, device="cuda", dtype=dt, generator=g) for _ in range(2))
     dy = torch.randn(64, 48, 80, device="cuda", dtype=dt, generator=g)
     a, c = _leaves(torch, xb, w, b), _leaves(torch, xb, w, b)
-    _check_pair(torch, (torch_bridge.layer_norm(a[0][..., :80], 80, a[1], a[2]), a),
-                (F.layer_norm(c[0][..., :80], (80,), c[1], c[2]), c), dy, tol)
+    _check_pair(
+        torch,
+        (torch_bridge.layer_norm(a[0][..., :80], 80, a[1], a[2]), a),
+        (F.layer_norm(c[0][..., :80], (80,), c[1], c[2]), c),
+        dy,
+        tol,
+    )
     a, c = _leaves(torch, xb, w), _leaves(torch, xb, w)
-    _check_pair(torch, (torch_bridge.rms_norm(a[0][..., :80], 80, a[1], 1e-6), a),
-                (F.rms_norm(c[0][..., :80], (80,), c[1], 1e-6), c), dy, tol)
+    _check_pair(
+        torch,
+        (torch_bridge.rms_norm(a[0][..., :80], 80, a[1], 1e-6), a),
+        (F.rms_norm(c[0][..., :80], (80,), c[1], 1e-6), c),
+        dy,
+        tol,
+    )
 
 
 def test_group_norm_and_dynamic_tanh_on_cuda_tensors(torch):
@@ -90,13 +100,23 @@ def test_group_norm_and_dynamic_tanh_on_cuda_tensors(torch):
     w, b = (torch.randn(12, device="cuda", generator=g) for _ in range(2))
     dy = torch.randn(8, 12, 5, 7, device="cuda", generator=g)
     a, c = _leaves(torch, x, w, b), _leaves(torch, x, w, b)
-    _check_pair(torch, (torch_bridge.group_norm(a[0], 4, a[1], a[2]), a),
-                (F.group_norm(c[0], 4, c[1], c[2]), c), dy, 1e-4)
+    _check_pair(
+        torch,
+        (torch_bridge.group_norm(a[0], 4, a[1], a[2]), a),
+        (F.group_norm(c[0], 4, c[1], c[2]), c),
+        dy,
+        1e-4,
+    )
     x2 = x.reshape(8, -1, 7)
     w2, b2, alpha = w[:7], b[:7], torch.tensor(0.7, device="cuda")
     a, c = _leaves(torch, x2, alpha, w2, b2), _leaves(torch, x2, alpha, w2, b2)
-    _check_pair(torch, (torch_bridge.dynamic_tanh(*a), a),
-                (c[2] * torch.tanh(c[1] * c[0]) + c[3], c), dy.reshape(8, -1, 7), 1e-4)
+    _check_pair(
+        torch,
+        (torch_bridge.dynamic_tanh(*a), a),
+        (c[2] * torch.tanh(c[1] * c[0]) + c[3], c),
+        dy.reshape(8, -1, 7),
+        1e-4,
+    )
 
 
 def test_cuda_tensors_cross_without_a_copy_and_on_torchs_stream(torch):

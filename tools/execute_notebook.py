@@ -27,10 +27,16 @@ TIMEOUT_S = 120
 def normalise(nb: nbformat.NotebookNode) -> None:
     """Drop what changes between runs but carries no content."""
     nb.metadata = nbformat.NotebookNode(
-        {"kernelspec": KERNELSPEC,
-         "language_info": {"name": "python", "pygments_lexer": "ipython3"}}
-        | {k: v for k, v in nb.metadata.items()
-           if k not in ("kernelspec", "language_info", "widgets", "vscode", "colab")})
+        {
+            "kernelspec": KERNELSPEC,
+            "language_info": {"name": "python", "pygments_lexer": "ipython3"},
+        }
+        | {
+            k: v
+            for k, v in nb.metadata.items()
+            if k not in ("kernelspec", "language_info", "widgets", "vscode", "colab")
+        }
+    )
     count = 0
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
@@ -49,8 +55,12 @@ def execute(path: Path) -> float:
     nb = nbformat.read(path, as_version=4)
     nb.metadata["kernelspec"] = KERNELSPEC
     os.environ["PYTHONHASHSEED"] = "0"
-    client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(
+        nb,
+        timeout=TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    )
     start = time.perf_counter()
     client.execute()
     elapsed = time.perf_counter() - start

@@ -66,11 +66,13 @@ class GluedFigure(SphinxDirective):
         doc, key = ref.split("::", 1)
         try:
             pending = create_pending_glue_ref(
-                self.state.document, self.env.docname, self.lineno, doc, key)
+                self.state.document, self.env.docname, self.lineno, doc, key
+            )
         except PendingGlueReferenceError as exc:
             raise self.error(str(exc)) from exc
-        figure = nodes.figure("", pending, classes=["glued-figure"]
-                              + self.options.get("figclass", []))
+        figure = nodes.figure(
+            "", pending, classes=["glued-figure"] + self.options.get("figclass", [])
+        )
         for option in ("width", "alt"):
             if option in self.options:
                 figure[f"glued_{option}"] = self.options[option]
@@ -150,7 +152,8 @@ def _note_proof_titles(app, doctree):
 
 def _merge_proof_titles(app, env, docnames, other):
     env.__dict__.setdefault("lnlib_proof_titles", {}).update(
-        getattr(other, "lnlib_proof_titles", {}))
+        getattr(other, "lnlib_proof_titles", {})
+    )
 
 
 def _proof_index_generate(self, docnames=None):

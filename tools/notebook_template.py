@@ -1,6 +1,7 @@
 """The notebook template of the lnlib book, and a command that starts a new notebook from it.
 
-Usage: python tools/notebook_template.py notebooks/03_properties.ipynb "Properties of layer normalization"
+Usage:
+    python tools/notebook_template.py notebooks/03_properties.ipynb "Properties of LayerNorm"
 
 Every notebook follows the house template (shared STYLE.md):
 
@@ -50,8 +51,11 @@ def no_deps_packages() -> dict[str, str]:
 def needs_no_deps(nb: nbformat.NotebookNode) -> list[str]:
     """The no-deps requirements a notebook imports, in the order of requirements/no-deps.txt."""
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    return [req for name, req in no_deps_packages().items()
-            if re.search(rf"^\s*(from|import)\s+{name}\b", code, re.MULTILINE)]
+    return [
+        req
+        for name, req in no_deps_packages().items()
+        if re.search(rf"^\s*(from|import)\s+{name}\b", code, re.MULTILINE)
+    ]
 
 
 def setup_cell_source(url: str | None = None, no_deps: list[str] | tuple = ()) -> str:
@@ -84,22 +88,29 @@ IMPORTS = (
 
 def new_notebook(title: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nb.cells = [
         nbformat.v4.new_markdown_cell(
             f"# {title}\n\nIn this notebook you will ... (two lines: what the reader does "
-            "and what they get out of it)."),
+            "and what they get out of it)."
+        ),
         nbformat.v4.new_code_cell(setup_cell_source()),
         nbformat.v4.new_code_cell(IMPORTS),
-        nbformat.v4.new_markdown_cell("## First section\n\nExplain, compute from scratch, "
-                                      "compare with lnlib, plot."),
+        nbformat.v4.new_markdown_cell(
+            "## First section\n\nExplain, compute from scratch, compare with lnlib, plot."
+        ),
         nbformat.v4.new_code_cell(""),
         nbformat.v4.new_markdown_cell(
-            "## Exercises\n\n**Exercise 1.** ... Write `my_fn` and run the check below."),
+            "## Exercises\n\n**Exercise 1.** ... Write `my_fn` and run the check below."
+        ),
         nbformat.v4.new_code_cell(
-            "def my_fn(x):\n    raise NotImplementedError(\"your code here\")\n\n\n"
-            "# from lnlib.exercises import chNN\n# chNN.check_my_fn(my_fn)"),
+            'def my_fn(x):\n    raise NotImplementedError("your code here")\n\n\n'
+            "# from lnlib.exercises import chNN\n# chNN.check_my_fn(my_fn)"
+        ),
         nbformat.v4.new_markdown_cell("## Summary\n\n- ...\n\nNext: ..."),
     ]
     return nb

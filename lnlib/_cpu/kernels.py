@@ -32,8 +32,15 @@ import numpy as np
 
 from .._rows import run_chunks
 
-__all__ = ["PASSES", "available", "info", "layer_norm_backward_rows", "layer_norm_forward_rows",
-           "rms_norm_backward_rows", "rms_norm_forward_rows"]
+__all__ = [
+    "PASSES",
+    "available",
+    "info",
+    "layer_norm_backward_rows",
+    "layer_norm_forward_rows",
+    "rms_norm_backward_rows",
+    "rms_norm_forward_rows",
+]
 
 #: The passes each kernel makes over one row, in order: the arrays read and written (arrays of
 #: length D; ``dweight``/``dbias`` are the row block's float64 column sums, which stay in
@@ -44,18 +51,30 @@ __all__ = ["PASSES", "available", "info", "layer_norm_backward_rows", "layer_nor
 PASSES = {
     "layer_norm_forward": (
         {"reads": ("x",), "writes": (), "computes": "mean0 = sum(x) / D"},
-        {"reads": ("x",), "writes": (),
-         "computes": "delta = sum(x - mean0) / D, mean = mean0 + delta, "
-                     "rstd = 1 / sqrt(sum((x - mean0)^2) / D - delta^2 + eps)"},
-        {"reads": ("x", "weight", "bias"), "writes": ("y",),
-         "computes": "y = (x - mean) rstd weight + bias"},
+        {
+            "reads": ("x",),
+            "writes": (),
+            "computes": "delta = sum(x - mean0) / D, mean = mean0 + delta, "
+            "rstd = 1 / sqrt(sum((x - mean0)^2) / D - delta^2 + eps)",
+        },
+        {
+            "reads": ("x", "weight", "bias"),
+            "writes": ("y",),
+            "computes": "y = (x - mean) rstd weight + bias",
+        },
     ),
     "layer_norm_backward": (
-        {"reads": ("dy", "weight", "x"), "writes": (),
-         "computes": "mean(g), mean(g xhat) with g = dy weight"},
-        {"reads": ("x", "dy", "weight"), "writes": ("dx", "dweight", "dbias"),
-         "computes": "dx = rstd (g - mean(g) - xhat mean(g xhat)); dweight += dy xhat; "
-                     "dbias += dy"},
+        {
+            "reads": ("dy", "weight", "x"),
+            "writes": (),
+            "computes": "mean(g), mean(g xhat) with g = dy weight",
+        },
+        {
+            "reads": ("x", "dy", "weight"),
+            "writes": ("dx", "dweight", "dbias"),
+            "computes": "dx = rstd (g - mean(g) - xhat mean(g xhat)); dweight += dy xhat; "
+            "dbias += dy",
+        },
     ),
     "rms_norm_forward": (
         {"reads": ("x",), "writes": (), "computes": "rstd = 1 / sqrt(sum(x^2) / D + eps)"},
@@ -63,8 +82,11 @@ PASSES = {
     ),
     "rms_norm_backward": (
         {"reads": ("dy", "weight", "x"), "writes": (), "computes": "mean(g xhat), g = dy weight"},
-        {"reads": ("x", "dy", "weight"), "writes": ("dx", "dweight"),
-         "computes": "dx = rstd (g - xhat mean(g xhat)); dweight += dy xhat"},
+        {
+            "reads": ("x", "dy", "weight"),
+            "writes": ("dx", "dweight"),
+            "computes": "dx = rstd (g - xhat mean(g xhat)); dweight += dy xhat",
+        },
     ),
 }
 
@@ -82,19 +104,26 @@ def _load():
     name = f"{__package__}._norms"
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
-        return None, ("extension module lnlib._cpu._norms was not built (lnlib was installed "
-                      "without a C compiler?)")
+        return None, (
+            "extension module lnlib._cpu._norms was not built (lnlib was installed "
+            "without a C compiler?)"
+        )
     if not _complete_library(spec.origin):
         return None, f"extension module {spec.origin} is damaged (shorter than its headers say)"
     try:
         module = importlib.import_module(name)
     except ImportError as exc:
         return None, f"extension module {spec.origin} cannot be imported ({exc})"
-    missing = [f for f in _FUNCTIONS + ["sum_blocks_pairwise", "norms_kernel_version"]
-               if not hasattr(getattr(module, "lib", None), f)]
+    missing = [
+        f
+        for f in _FUNCTIONS + ["sum_blocks_pairwise", "norms_kernel_version"]
+        if not hasattr(getattr(module, "lib", None), f)
+    ]
     if missing:
-        return None, (f"extension module {spec.origin} lacks {', '.join(missing)} "
-                      "(built from another version of lnlib?)")
+        return None, (
+            f"extension module {spec.origin} lacks {', '.join(missing)} "
+            "(built from another version of lnlib?)"
+        )
     return module, f"compiled kernel {spec.origin}"
 
 
@@ -112,8 +141,9 @@ def _complete_library(path):
         wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
         word = order + ("Q" if wide else "I")
         phoff, shoff = struct.unpack_from(word + word[1], data, 0x20 if wide else 0x1C)
-        phsize, phnum, shsize, shnum = struct.unpack_from(order + "4H", data,
-                                                          0x36 if wide else 0x2A)
+        phsize, phnum, shsize, shnum = struct.unpack_from(
+            order + "4H", data, 0x36 if wide else 0x2A
+        )
         end = max(phoff + phnum * phsize, shoff + shnum * shsize)
         for i in range(phnum):  # the bytes each segment maps from the file
             at = phoff + i * phsize
@@ -131,13 +161,20 @@ def _module():
         with _lock:
             if not _state["loaded"]:
                 module, reason = _load()
-                _state.update(module=module, reason=reason, loaded=True,
-                              path=None if module is None else module.__file__)
+                _state.update(
+                    module=module,
+                    reason=reason,
+                    loaded=True,
+                    path=None if module is None else module.__file__,
+                )
                 if module is None:
-                    warnings.warn(f"lnlib: the compiled CPU kernel is not available: {reason}; "
-                                  "using the NumPy path (reinstall lnlib where a C compiler "
-                                  "exists to get it)", RuntimeWarning,
-                                  stacklevel=_caller_level())
+                    warnings.warn(
+                        f"lnlib: the compiled CPU kernel is not available: {reason}; "
+                        "using the NumPy path (reinstall lnlib where a C compiler "
+                        "exists to get it)",
+                        RuntimeWarning,
+                        stacklevel=_caller_level(),
+                    )
     return _state["module"]
 
 
@@ -163,10 +200,14 @@ def info():
     """
     module = _module()
     version = None if module is None else module.ffi.string(module.lib.norms_kernel_version())
-    return {"kernel": module is not None, "reason": _state["reason"], "path": _state["path"],
-            "version": None if version is None else version.decode(),
-            "flags": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
-            "source": "kernels/norms_cpu.c"}
+    return {
+        "kernel": module is not None,
+        "reason": _state["reason"],
+        "path": _state["path"],
+        "version": None if version is None else version.decode(),
+        "flags": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
+        "source": "kernels/norms_cpu.c",
+    }
 
 
 def available():
@@ -285,8 +326,18 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
     ld = _ld(x)
 
     def chunk(start, stop, _block_rows):
-        fn(p_x + start * ld, ld, p_w, p_b, p_y + start * n, p_mean + start, p_rstd + start,
-           stop - start, n, eps)
+        fn(
+            p_x + start * ld,
+            ld,
+            p_w,
+            p_b,
+            p_y + start * n,
+            p_mean + start,
+            p_rstd + start,
+            stop - start,
+            n,
+            eps,
+        )
 
     run_chunks(m, n, chunk, block_rows=1, threads=threads)
     return y, mean, rstd
@@ -325,8 +376,20 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
 
     def chunk(start, stop, _block_rows):
         b = _block_of(start)
-        fn(p_dy + start * ld_dy, ld_dy, p_x + start * ld_x, ld_x, p_mean + start,
-           p_rstd + start, p_w, p_dx + start * n, p_dw + b * n, p_db + b * n, stop - start, n)
+        fn(
+            p_dy + start * ld_dy,
+            ld_dy,
+            p_x + start * ld_x,
+            ld_x,
+            p_mean + start,
+            p_rstd + start,
+            p_w,
+            p_dx + start * n,
+            p_dw + b * n,
+            p_db + b * n,
+            stop - start,
+            n,
+        )
 
     run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
     return dx, _column_total(dweight, x.dtype), _column_total(dbias, x.dtype)
@@ -397,8 +460,18 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None):
 
     def chunk(start, stop, _block_rows):
         b = _block_of(start)
-        fn(p_dy + start * ld_dy, ld_dy, p_x + start * ld_x, ld_x, p_rstd + start, p_w,
-           p_dx + start * n, p_dw + b * n, stop - start, n)
+        fn(
+            p_dy + start * ld_dy,
+            ld_dy,
+            p_x + start * ld_x,
+            ld_x,
+            p_rstd + start,
+            p_w,
+            p_dx + start * n,
+            p_dw + b * n,
+            stop - start,
+            n,
+        )
 
     run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
     return dx, _column_total(dweight, x.dtype)

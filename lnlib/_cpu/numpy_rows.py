@@ -11,8 +11,12 @@ import numpy as np
 from .._backend import accumulation_dtype
 from .._rows import add_in_order, column_group_sums, load_block, run_chunks
 
-__all__ = ["layer_norm_forward_rows", "layer_norm_backward_rows", "rms_norm_forward_rows",
-           "rms_norm_backward_rows"]
+__all__ = [
+    "layer_norm_forward_rows",
+    "layer_norm_backward_rows",
+    "rms_norm_forward_rows",
+    "rms_norm_backward_rows",
+]
 
 
 def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=None):
@@ -135,9 +139,11 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
         return dweight, dbias
 
     parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
-    return (dx, add_in_order((g for p in parts for g in p[0]), n),
-            add_in_order((g for p in parts for g in p[1]), n))
-
+    return (
+        dx,
+        add_in_order((g for p in parts for g in p[0]), n),
+        add_in_order((g for p in parts for g in p[1]), n),
+    )
 
 
 def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None):

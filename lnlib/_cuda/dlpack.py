@@ -23,8 +23,10 @@ def to_cupy(tensor):
     import cupy
 
     if not getattr(tensor, "is_cuda", False):
-        raise TypeError(f"tensor: expected a CUDA tensor, got {type(tensor).__name__} "
-                        f"on {getattr(tensor, 'device', 'no device')}")
+        raise TypeError(
+            f"tensor: expected a CUDA tensor, got {type(tensor).__name__} "
+            f"on {getattr(tensor, 'device', 'no device')}"
+        )
     return cupy.from_dlpack(tensor.detach())
 
 

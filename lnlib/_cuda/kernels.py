@@ -28,8 +28,12 @@ SOURCE = KERNEL_DIR / "norms_cuda.cu"
 OPTIONS = ("--std=c++17", "--fmad=false")
 
 #: CUDA C++ name of the element type of each dtype the kernels are built for.
-TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "__half",
-              "bfloat16": "__nv_bfloat16"}
+TYPE_NAMES = {
+    "float32": "float",
+    "float64": "double",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+}
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 OPS = ("layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd")
@@ -120,8 +124,9 @@ def module(op, dtype):
         if key not in _modules:
             import cupy
 
-            _modules[key] = cupy.RawModule(code=source(), options=OPTIONS,
-                                           name_expressions=name_expressions(*key))
+            _modules[key] = cupy.RawModule(
+                code=source(), options=OPTIONS, name_expressions=name_expressions(*key)
+            )
         return _modules[key]
 
 

@@ -87,10 +87,21 @@ def _forward(op, x, params, eps, with_mean):
         r, maxv, _tiles = kernels.launch_shape(op, x.dtype, d)
         vec_ok = _vec_ok(d, x.dtype, (x, ldx), (y, d))
         stats = (mean, rstd) if with_mean else (rstd,)
-        args = (x, np.int64(ldx), y, np.int64(d), *(_param(p, acc) for p in params), *stats,
-                np.int64(m), np.int32(d), acc.type(eps), vec_ok)
+        args = (
+            x,
+            np.int64(ldx),
+            y,
+            np.int64(d),
+            *(_param(p, acc) for p in params),
+            *stats,
+            np.int64(m),
+            np.int32(d),
+            acc.type(eps),
+            vec_ok,
+        )
         kernels.function(op, x.dtype, r, maxv)(
-            (kernels.grid("fwd", m, r),), (kernels.block_threads(r),), args)
+            (kernels.grid("fwd", m, r),), (kernels.block_threads(r),), args
+        )
     return (y, mean, rstd) if with_mean else (y, rstd)
 
 
@@ -124,8 +135,20 @@ def _backward(op, dy, x, stats, weight, with_bias):
     stats = tuple(cupy.ascontiguousarray(s, dtype=acc) for s in stats)
     parts = (dw_part, db_part) if with_bias else (dw_part,)
     vec_ok = _vec_ok(d, x.dtype, (x, ldx), (dy, lddy), (dx, d))
-    args = (dy, np.int64(lddy), x, np.int64(ldx), *stats, _param(weight, acc), dx, np.int64(d),
-            *parts, np.int64(m), np.int32(d), vec_ok)
+    args = (
+        dy,
+        np.int64(lddy),
+        x,
+        np.int64(ldx),
+        *stats,
+        _param(weight, acc),
+        dx,
+        np.int64(d),
+        *parts,
+        np.int64(m),
+        np.int32(d),
+        vec_ok,
+    )
     kernels.function(op, x.dtype, r, maxv)((blocks,), (kernels.block_threads(r),), args)
     return (dx, *(_column_sum(op, x.dtype, p) for p in parts))
 

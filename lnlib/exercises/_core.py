@@ -88,8 +88,10 @@ class CheckResult:
         return self.message
 
     def __repr__(self) -> str:
-        return (f"CheckResult(name={self.name!r}, passed={self.passed}, "
-                f"n_cases={self.n_cases}, n_failed={len(self.failures)})")
+        return (
+            f"CheckResult(name={self.name!r}, passed={self.passed}, "
+            f"n_cases={self.n_cases}, n_failed={len(self.failures)})"
+        )
 
     def _ipython_display_(self) -> None:
         # check() has already printed the message; showing the object again at the
@@ -115,7 +117,8 @@ def _to_numpy(value: Any) -> Any:
 
 def _is_numeric(value: Any) -> bool:
     return isinstance(value, np.ndarray | np.generic | int | float | bool) and not isinstance(
-        value, str)
+        value, str
+    )
 
 
 def _fmt(value: Any) -> str:
@@ -135,8 +138,9 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _compare_arrays(where: str, expected: Any, got: Any, rtol: float, atol: float,
-                    check_dtype: bool) -> None:
+def _compare_arrays(
+    where: str, expected: Any, got: Any, rtol: float, atol: float, check_dtype: bool
+) -> None:
     exp = np.asarray(expected)
     if not isinstance(got, np.ndarray | np.generic | int | float | bool):
         raise _Mismatch(f"{where} is {_describe(got)}, expected {_describe(exp)}")
@@ -156,8 +160,10 @@ def _compare_arrays(where: str, expected: Any, got: Any, rtol: float, atol: floa
     n_bad = int(np.count_nonzero(bad))
     first = tuple(int(i) for i in np.argwhere(bad)[0]) if exp.ndim else ()
     at = f" at index {first}" if exp.ndim else ""
-    msg = (f"{where} differs in {n_bad} of {exp.size} entries; first{at}: "
-           f"expected {_fmt(exp[first])}, got {_fmt(res[first])}")
+    msg = (
+        f"{where} differs in {n_bad} of {exp.size} entries; first{at}: "
+        f"expected {_fmt(exp[first])}, got {_fmt(res[first])}"
+    )
     if exp.dtype.kind in "fc":
         finite = np.isfinite(e64) & np.isfinite(r64)
         if np.any(~finite & bad):
@@ -168,14 +174,16 @@ def _compare_arrays(where: str, expected: Any, got: Any, rtol: float, atol: floa
     raise _Mismatch(msg)
 
 
-def _compare(where: str, expected: Any, got: Any, rtol: float, atol: float,
-             check_dtype: bool) -> None:
+def _compare(
+    where: str, expected: Any, got: Any, rtol: float, atol: float, check_dtype: bool
+) -> None:
     """Raise _Mismatch with a precise reason if `got` differs from `expected`."""
     expected, got = _to_numpy(expected), _to_numpy(got)
     if isinstance(expected, Mapping):
         if not isinstance(got, Mapping):
-            raise _Mismatch(f"{where} is {_describe(got)}, expected a dict with keys "
-                            f"{sorted(expected)}")
+            raise _Mismatch(
+                f"{where} is {_describe(got)}, expected a dict with keys {sorted(expected)}"
+            )
         if set(got) != set(expected):
             raise _Mismatch(f"{where} has keys {sorted(got)}, expected {sorted(expected)}")
         for key in expected:
@@ -212,8 +220,14 @@ def _modified_argument(before: Case, after_args: tuple, after_kwargs: dict) -> s
     return None
 
 
-def _run_case(user_fn: Callable, reference_fn: Callable, case: Case, rtol: float, atol: float,
-              check_dtype: bool) -> str | None:
+def _run_case(
+    user_fn: Callable,
+    reference_fn: Callable,
+    case: Case,
+    rtol: float,
+    atol: float,
+    check_dtype: bool,
+) -> str | None:
     """Return why `user_fn` fails on `case`, or None if it passes."""
     rtol = case.rtol if case.rtol is not None else rtol
     atol = case.atol if case.atol is not None else atol
@@ -226,8 +240,7 @@ def _run_case(user_fn: Callable, reference_fn: Callable, case: Case, rtol: float
         except case.raises:
             return None
         except Exception as exc:  # noqa: BLE001  the reader's error is reported, never raised
-            return (f"raised {type(exc).__name__}: {exc}; expected "
-                    f"{case.raises.__name__}")
+            return f"raised {type(exc).__name__}: {exc}; expected {case.raises.__name__}"
         return f"returned {_describe(got)}; expected it to raise {case.raises.__name__}"
 
     expected = reference_fn(*copy.deepcopy(case.args), **copy.deepcopy(case.kwargs))
@@ -245,9 +258,17 @@ def _run_case(user_fn: Callable, reference_fn: Callable, case: Case, rtol: float
     return None
 
 
-def check(user_fn: Callable, reference_fn: Callable, cases: Sequence[Case], *,
-          rtol: float = 1e-6, atol: float = 1e-8, name: str | None = None,
-          check_dtype: bool = True, verbose: bool = True) -> CheckResult:
+def check(
+    user_fn: Callable,
+    reference_fn: Callable,
+    cases: Sequence[Case],
+    *,
+    rtol: float = 1e-6,
+    atol: float = 1e-8,
+    name: str | None = None,
+    check_dtype: bool = True,
+    verbose: bool = True,
+) -> CheckResult:
     """Run a reader's function and a reference on the same cases and say what differs.
 
     Every case is run even after a failure. For each case the reader's function

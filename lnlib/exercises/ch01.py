@@ -54,6 +54,7 @@ def _name(fn: Callable[..., Any], default: str) -> str:
 
 # ------------------------------------------------------- exercise: normalize with batch statistics
 
+
 def _ref_batch_normalize(x, eps=1e-5):
     return reference.batch_norm_forward(x, None, None, training=True, eps=eps)[0]
 
@@ -68,20 +69,30 @@ def check_batch_normalize(fn: Callable[..., Any]) -> CheckResult:
     rng = _rng()
     cases = [
         Case("a random (8, 3) batch", (rng.normal(size=(8, 3)),)),
-        Case("columns with different means and scales",
-             (rng.normal(size=(16, 4)) * [1.0, 10.0, 0.1, 3.0] + [0.0, -5.0, 2.0, 100.0],)),
+        Case(
+            "columns with different means and scales",
+            (rng.normal(size=(16, 4)) * [1.0, 10.0, 0.1, 3.0] + [0.0, -5.0, 2.0, 100.0],),
+        ),
         Case("a batch of two rows", (rng.normal(size=(2, 5)),)),
-        Case("a constant column (its output should be 0)",
-             (np.column_stack([np.full(6, 4.0), rng.normal(size=6)]),)),
-        Case("float32 input (the output should be float32)",
-             (rng.normal(size=(10, 3)).astype(np.float32),), rtol=1e-4, atol=1e-5),
+        Case(
+            "a constant column (its output should be 0)",
+            (np.column_stack([np.full(6, 4.0), rng.normal(size=6)]),),
+        ),
+        Case(
+            "float32 input (the output should be float32)",
+            (rng.normal(size=(10, 3)).astype(np.float32),),
+            rtol=1e-4,
+            atol=1e-5,
+        ),
         Case("eps = 0.5 passed as a keyword", (rng.normal(size=(4, 3)),), {"eps": 0.5}),
     ]
-    return check(fn, _ref_batch_normalize, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "batch_normalize"))
+    return check(
+        fn, _ref_batch_normalize, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "batch_normalize")
+    )
 
 
 # ---------------------------------------------------------------- exercise: a batch of two rows
+
 
 def _ref_pair_output(a, b, eps=1e-5):
     x = np.stack([a, b])  # (2, C)
@@ -93,24 +104,32 @@ def check_pair_output(fn: Callable[..., Any]) -> CheckResult:
     batch ``[x1, x2]``.
 
     ``x1`` and ``x2`` have shape (C,); the result has shape (C,). The exercise asks for a
-    formula in ``x1 - x2`` and ``eps`` only; the check compares values with BatchNorm of the stacked batch.
+    formula in ``x1 - x2`` and ``eps`` only; the check compares values with BatchNorm of the
+    stacked batch.
     """
     rng = _rng()
     cases = [
         Case("two random rows", (rng.normal(size=6), rng.normal(size=6))),
         Case("rows far apart", (rng.normal(size=4) * 100, rng.normal(size=4))),
-        Case("rows close together, where eps matters",
-             (np.array([1.0, 1.0, 1.0]), np.array([1.001, 0.999, 1.01]))),
-        Case("equal entries in one feature (the output there should be 0)",
-             (np.array([2.0, 3.0]), np.array([2.0, -1.0]))),
-        Case("eps = 0.25 passed as a keyword",
-             (rng.normal(size=5), rng.normal(size=5)), {"eps": 0.25}),
+        Case(
+            "rows close together, where eps matters",
+            (np.array([1.0, 1.0, 1.0]), np.array([1.001, 0.999, 1.01])),
+        ),
+        Case(
+            "equal entries in one feature (the output there should be 0)",
+            (np.array([2.0, 3.0]), np.array([2.0, -1.0])),
+        ),
+        Case(
+            "eps = 0.25 passed as a keyword",
+            (rng.normal(size=5), rng.normal(size=5)),
+            {"eps": 0.25},
+        ),
     ]
-    return check(fn, _ref_pair_output, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "pair_output"))
+    return check(fn, _ref_pair_output, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "pair_output"))
 
 
 # ------------------------------------------------------------- exercise: the running statistics
+
 
 def _ref_running_update(running_mean, running_var, x, momentum=0.1):
     new_mean, new_var = running_mean.copy(), running_var.copy()
@@ -129,24 +148,34 @@ def check_running_update(fn: Callable[..., Any]) -> CheckResult:
     rng = _rng()
     c = 3
     cases = [
-        Case("fresh statistics (mean 0, variance 1) and a random batch",
-             (np.zeros(c), np.ones(c), rng.normal(size=(8, c)) * 2 + 1)),
-        Case("momentum = 1: the batch statistics themselves",
-             (rng.normal(size=c), rng.uniform(0.5, 2, size=c), rng.normal(size=(5, c))),
-             {"momentum": 1.0}),
-        Case("momentum = 0: nothing changes",
-             (rng.normal(size=c), rng.uniform(0.5, 2, size=c), rng.normal(size=(5, c))),
-             {"momentum": 0.0}),
-        Case("a batch of two rows (N - 1 = 1)",
-             (np.zeros(c), np.ones(c), rng.normal(size=(2, c)))),
-        Case("momentum = 0.01, shifted data",
-             (np.zeros(c), np.ones(c), rng.normal(size=(32, c)) + 10), {"momentum": 0.01}),
+        Case(
+            "fresh statistics (mean 0, variance 1) and a random batch",
+            (np.zeros(c), np.ones(c), rng.normal(size=(8, c)) * 2 + 1),
+        ),
+        Case(
+            "momentum = 1: the batch statistics themselves",
+            (rng.normal(size=c), rng.uniform(0.5, 2, size=c), rng.normal(size=(5, c))),
+            {"momentum": 1.0},
+        ),
+        Case(
+            "momentum = 0: nothing changes",
+            (rng.normal(size=c), rng.uniform(0.5, 2, size=c), rng.normal(size=(5, c))),
+            {"momentum": 0.0},
+        ),
+        Case("a batch of two rows (N - 1 = 1)", (np.zeros(c), np.ones(c), rng.normal(size=(2, c)))),
+        Case(
+            "momentum = 0.01, shifted data",
+            (np.zeros(c), np.ones(c), rng.normal(size=(32, c)) + 10),
+            {"momentum": 0.01},
+        ),
     ]
-    return check(fn, _ref_running_update, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "running_update"))
+    return check(
+        fn, _ref_running_update, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "running_update")
+    )
 
 
 # -------------------------------------------- exercise: inference BatchNorm is a fixed affine map
+
 
 def _ref_fold(W, b, running_mean, running_var, gamma, beta, eps=1e-5):
     s = gamma / np.sqrt(running_var + eps)  # (C,)
@@ -163,25 +192,47 @@ def check_fold_eval_batch_norm(fn: Callable[..., Any]) -> CheckResult:
     rng = _rng()
 
     def args(c, d):
-        return (rng.normal(size=(c, d)), rng.normal(size=c), rng.normal(size=c),
-                rng.uniform(0.1, 3.0, size=c), rng.normal(size=c), rng.normal(size=c))
+        return (
+            rng.normal(size=(c, d)),
+            rng.normal(size=c),
+            rng.normal(size=c),
+            rng.uniform(0.1, 3.0, size=c),
+            rng.normal(size=c),
+            rng.normal(size=c),
+        )
 
     cases = [
         Case("a (4, 3) layer", args(4, 3)),
         Case("a (1, 5) layer: one channel", args(1, 5)),
-        Case("running statistics of a fresh layer (mean 0, variance 1), gamma 1, beta 0",
-             (rng.normal(size=(3, 2)), rng.normal(size=3), np.zeros(3), np.ones(3),
-              np.ones(3), np.zeros(3))),
-        Case("a tiny running variance, where eps matters",
-             (rng.normal(size=(2, 2)), rng.normal(size=2), rng.normal(size=2),
-              np.array([1e-6, 1e-4]), rng.normal(size=2), rng.normal(size=2))),
+        Case(
+            "running statistics of a fresh layer (mean 0, variance 1), gamma 1, beta 0",
+            (
+                rng.normal(size=(3, 2)),
+                rng.normal(size=3),
+                np.zeros(3),
+                np.ones(3),
+                np.ones(3),
+                np.zeros(3),
+            ),
+        ),
+        Case(
+            "a tiny running variance, where eps matters",
+            (
+                rng.normal(size=(2, 2)),
+                rng.normal(size=2),
+                rng.normal(size=2),
+                np.array([1e-6, 1e-4]),
+                rng.normal(size=2),
+                rng.normal(size=2),
+            ),
+        ),
         Case("eps = 0.1 passed as a keyword", args(3, 3), {"eps": 0.1}),
     ]
-    return check(fn, _ref_fold, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "fold_eval_batch_norm"))
+    return check(fn, _ref_fold, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "fold_eval_batch_norm"))
 
 
 # ----------------------------------------- exercise: per-time-step statistics of padded sequences
+
 
 def _ref_masked_step_stats(a, lengths):
     _, t, h = a.shape
@@ -215,9 +266,12 @@ def check_masked_step_stats(fn: Callable[..., Any]) -> CheckResult:
         Case("four sequences of the same length 5", padded([5, 5, 5, 5], 3)),
         Case("lengths 2, 4, 6, padded with zeros", padded([2, 4, 6], 2)),
         Case("padding filled with 1000 (it must not count)", padded([3, 7, 5, 1], 4, 1000.0)),
-        Case("one long sequence: at its last steps it is alone (variance 0)",
-             padded([8, 2, 3], 3, np.nan)),
+        Case(
+            "one long sequence: at its last steps it is alone (variance 0)",
+            padded([8, 2, 3], 3, np.nan),
+        ),
         Case("a single sequence", padded([4], 2)),
     ]
-    return check(fn, _ref_masked_step_stats, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "masked_step_stats"))
+    return check(
+        fn, _ref_masked_step_stats, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "masked_step_stats")
+    )

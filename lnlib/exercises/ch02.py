@@ -42,9 +42,7 @@ __all__ = [
 ]
 
 #: The three 4-vectors of the worked example (one per row), float64.
-WORKED_EXAMPLE = np.array([[3.0, 5.0, 2.0, 8.0],
-                           [1.0, 3.0, 5.0, 8.0],
-                           [3.0, 2.0, 7.0, 9.0]])
+WORKED_EXAMPLE = np.array([[3.0, 5.0, 2.0, 8.0], [1.0, 3.0, 5.0, 8.0], [3.0, 2.0, 7.0, 9.0]])
 
 
 def _rng() -> np.random.Generator:
@@ -53,6 +51,7 @@ def _rng() -> np.random.Generator:
 
 
 # ---------------------------------------------------------------- exercise: the forward pass
+
 
 def _ref_forward(x, weight, bias, eps=1e-5):
     return reference.layer_norm_forward(x, weight, bias, eps=eps)[0]
@@ -68,25 +67,40 @@ def check_forward(fn: Callable[..., Any]) -> CheckResult:
     rng = _rng()
     d = 4
     cases = [
-        Case("the worked example, weight = 1.5 and bias = 0.5",
-             (WORKED_EXAMPLE, np.full(d, 1.5), np.full(d, 0.5))),
-        Case("a random (5, 16) batch with random weight and bias",
-             (rng.normal(size=(5, 16)), rng.normal(size=16), rng.normal(size=16))),
-        Case("three dimensions (2, 3, 8): normalize the last axis only",
-             (rng.normal(size=(2, 3, 8)), rng.normal(size=8), rng.normal(size=8))),
-        Case("a constant row (the output should be the bias)",
-             (np.full((2, 6), 7.0), rng.normal(size=6), rng.normal(size=6))),
+        Case(
+            "the worked example, weight = 1.5 and bias = 0.5",
+            (WORKED_EXAMPLE, np.full(d, 1.5), np.full(d, 0.5)),
+        ),
+        Case(
+            "a random (5, 16) batch with random weight and bias",
+            (rng.normal(size=(5, 16)), rng.normal(size=16), rng.normal(size=16)),
+        ),
+        Case(
+            "three dimensions (2, 3, 8): normalize the last axis only",
+            (rng.normal(size=(2, 3, 8)), rng.normal(size=8), rng.normal(size=8)),
+        ),
+        Case(
+            "a constant row (the output should be the bias)",
+            (np.full((2, 6), 7.0), rng.normal(size=6), rng.normal(size=6)),
+        ),
         Case("a single feature, D = 1", (rng.normal(size=(3, 1)), np.ones(1), np.zeros(1))),
-        Case("a large mean: 1e4 + N(0, 1)",
-             (1e4 + rng.normal(size=(3, 32)), np.ones(32), np.zeros(32))),
-        Case("eps = 0.5 passed as a keyword",
-             (rng.normal(size=(2, 5)), np.ones(5), np.zeros(5)), {"eps": 0.5}),
+        Case(
+            "a large mean: 1e4 + N(0, 1)",
+            (1e4 + rng.normal(size=(3, 32)), np.ones(32), np.zeros(32)),
+        ),
+        Case(
+            "eps = 0.5 passed as a keyword",
+            (rng.normal(size=(2, 5)), np.ones(5), np.zeros(5)),
+            {"eps": 0.5},
+        ),
     ]
-    return check(fn, _ref_forward, cases, rtol=1e-7, atol=1e-9,
-                 name=getattr(fn, "__name__", "forward"))
+    return check(
+        fn, _ref_forward, cases, rtol=1e-7, atol=1e-9, name=getattr(fn, "__name__", "forward")
+    )
 
 
 # ------------------------------------------------------------- exercise: the Jacobian of xhat
+
 
 def _ref_jacobian(x, eps=1e-5):
     xhat, _, rstd = reference.layer_norm_forward(x, eps=eps)  # xhat: (D,), rstd: ()
@@ -108,11 +122,13 @@ def check_jacobian(fn: Callable[..., Any]) -> CheckResult:
         Case("eps = 1.0 passed as a keyword", (rng.normal(size=4),), {"eps": 1.0}),
         Case("a constant vector", (np.full(3, 2.0),)),
     ]
-    return check(fn, _ref_jacobian, cases, rtol=1e-6, atol=1e-9,
-                 name=getattr(fn, "__name__", "jacobian"))
+    return check(
+        fn, _ref_jacobian, cases, rtol=1e-6, atol=1e-9, name=getattr(fn, "__name__", "jacobian")
+    )
 
 
 # ---------------------------------------------------- exercise: the gradients of gamma and beta
+
 
 def _ref_dgamma(dy, x, eps=1e-5):
     _, mean, rstd = reference.layer_norm_forward(x, eps=eps)
@@ -130,17 +146,24 @@ def check_dgamma(fn: Callable[..., Any]) -> CheckResult:
     cases = [
         Case("the worked example with dy = 1", (np.ones((3, 4)), WORKED_EXAMPLE)),
         Case("a random (6, 5) batch", (rng.normal(size=(6, 5)), rng.normal(size=(6, 5)))),
-        Case("three dimensions (2, 3, 4): sum over both leading axes",
-             (rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 3, 4)))),
+        Case(
+            "three dimensions (2, 3, 4): sum over both leading axes",
+            (rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 3, 4))),
+        ),
         Case("a single row of shape (1, 7)", (rng.normal(size=(1, 7)), rng.normal(size=(1, 7)))),
-        Case("eps = 0.1 passed as a keyword",
-             (rng.normal(size=(3, 4)), rng.normal(size=(3, 4))), {"eps": 0.1}),
+        Case(
+            "eps = 0.1 passed as a keyword",
+            (rng.normal(size=(3, 4)), rng.normal(size=(3, 4))),
+            {"eps": 0.1},
+        ),
     ]
-    return check(fn, _ref_dgamma, cases, rtol=1e-7, atol=1e-9,
-                 name=getattr(fn, "__name__", "dgamma"))
+    return check(
+        fn, _ref_dgamma, cases, rtol=1e-7, atol=1e-9, name=getattr(fn, "__name__", "dgamma")
+    )
 
 
 # ----------------------------------------------------------------- exercise: the backward pass
+
 
 def _ref_backward(dy, x, weight, eps=1e-5):
     _, mean, rstd = reference.layer_norm_forward(x, weight, eps=eps)
@@ -156,25 +179,41 @@ def check_backward(fn: Callable[..., Any]) -> CheckResult:
     """
     rng = _rng()
     cases = [
-        Case("the worked example, weight = 1.5, random dy",
-             (rng.normal(size=(3, 4)), WORKED_EXAMPLE, np.full(4, 1.5))),
-        Case("a random (4, 16) batch with a random weight",
-             (rng.normal(size=(4, 16)), rng.normal(size=(4, 16)), rng.normal(size=16))),
-        Case("three dimensions (2, 3, 8)",
-             (rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 3, 8)), rng.normal(size=8))),
-        Case("dy = 1 everywhere (the gradient should be zero)",
-             (np.ones((2, 6)), rng.normal(size=(2, 6)), np.ones(6)), atol=1e-12),
+        Case(
+            "the worked example, weight = 1.5, random dy",
+            (rng.normal(size=(3, 4)), WORKED_EXAMPLE, np.full(4, 1.5)),
+        ),
+        Case(
+            "a random (4, 16) batch with a random weight",
+            (rng.normal(size=(4, 16)), rng.normal(size=(4, 16)), rng.normal(size=16)),
+        ),
+        Case(
+            "three dimensions (2, 3, 8)",
+            (rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 3, 8)), rng.normal(size=8)),
+        ),
+        Case(
+            "dy = 1 everywhere (the gradient should be zero)",
+            (np.ones((2, 6)), rng.normal(size=(2, 6)), np.ones(6)),
+            atol=1e-12,
+        ),
         Case("a constant row", (rng.normal(size=(1, 5)), np.full((1, 5), 3.0), np.ones(5))),
-        Case("a single feature, D = 1", (rng.normal(size=(3, 1)), rng.normal(size=(3, 1)),
-                                         np.ones(1))),
-        Case("eps = 0.5 passed as a keyword",
-             (rng.normal(size=(2, 5)), rng.normal(size=(2, 5)), np.ones(5)), {"eps": 0.5}),
+        Case(
+            "a single feature, D = 1",
+            (rng.normal(size=(3, 1)), rng.normal(size=(3, 1)), np.ones(1)),
+        ),
+        Case(
+            "eps = 0.5 passed as a keyword",
+            (rng.normal(size=(2, 5)), rng.normal(size=(2, 5)), np.ones(5)),
+            {"eps": 0.5},
+        ),
     ]
-    return check(fn, _ref_backward, cases, rtol=1e-6, atol=1e-9,
-                 name=getattr(fn, "__name__", "backward"))
+    return check(
+        fn, _ref_backward, cases, rtol=1e-6, atol=1e-9, name=getattr(fn, "__name__", "backward")
+    )
 
 
 # ------------------------------------------------ exercise: where the one-pass variance fails
+
 
 def one_pass_variance(x: np.ndarray) -> np.ndarray:
     r"""Variance of the last axis by the one-pass formula :math:`E[x^2] - E[x]^2`, in x's dtype.
@@ -216,8 +255,10 @@ def _naive_failure_reason(row: Any, min_error: float) -> str | None:
     if not isinstance(row, np.ndarray):
         return f"expected a NumPy array, got {type(row).__name__}"
     if row.dtype != np.float32:
-        return (f"the row has dtype {row.dtype}; make it float32 (for example "
-                "np.asarray(values, dtype=np.float32)), where the effect is easy to see")
+        return (
+            f"the row has dtype {row.dtype}; make it float32 (for example "
+            "np.asarray(values, dtype=np.float32)), where the effect is easy to see"
+        )
     if row.ndim != 1 or row.size < 2:
         return f"expected a 1-d row with at least 2 entries, got shape {row.shape}"
     if not np.all(np.isfinite(row)):
@@ -234,10 +275,14 @@ def _naive_failure_reason(row: Any, min_error: float) -> str | None:
     err_naive = abs(naive - exact) / exact
     err_two = abs(two - exact) / exact
     if err_two > 1e-3:
-        return (f"even the two-pass variance is off by {err_two:.3g} (relative); keep the "
-                "row's mean within float32's range of exact integers (below about 1e7)")
+        return (
+            f"even the two-pass variance is off by {err_two:.3g} (relative); keep the "
+            "row's mean within float32's range of exact integers (below about 1e7)"
+        )
     if err_naive < min_error:
-        return (f"the one-pass variance {naive:.6g} is within {err_naive:.3g} of the exact "
-                f"{exact:.6g}; it must be off by at least {min_error:g}: make the mean much "
-                "larger than the spread (mean/std of a few thousand or more)")
+        return (
+            f"the one-pass variance {naive:.6g} is within {err_naive:.3g} of the exact "
+            f"{exact:.6g}; it must be off by at least {min_error:g}: make the mean much "
+            "larger than the spread (mean/std of a few thousand or more)"
+        )
     return None

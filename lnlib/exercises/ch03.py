@@ -63,14 +63,14 @@ def _result(name: str, reason: str | None, pass_message: str) -> CheckResult:
 
 # ------------------------------------------------- exercise: a shift that LayerNorm does not see
 
+
 def check_invariant_shift(b: Any) -> CheckResult:
     """Check that ``b`` is a non-constant vector with LN(x + b) = LN(x) at eps = 0.
 
     ``x`` is :data:`SHIFT_EXAMPLE`. ``b`` passes when it is a finite float64 array of shape
     (4,) whose entries are not all equal and LN(x + b) equals LN(x) to 1e-9 with eps = 0.
     """
-    return _result("invariant shift", _shift_reason(b),
-                   "b is not constant and LN(x + b) = LN(x).")
+    return _result("invariant shift", _shift_reason(b), "b is not constant and LN(x + b) = LN(x).")
 
 
 def _shift_reason(b: Any) -> str | None:
@@ -82,8 +82,10 @@ def _shift_reason(b: Any) -> str | None:
     if not np.all(np.isfinite(b)):
         return "b contains NaN or inf"
     if np.ptp(b) <= 1e-9 * max(1.0, float(np.abs(b).max())):
-        return ("b is constant: adding the same number to every feature leaves LN unchanged "
-                "for every eps, but the exercise asks for a b that is not constant")
+        return (
+            "b is constant: adding the same number to every feature leaves LN unchanged "
+            "for every eps, but the exercise asks for a b that is not constant"
+        )
     want = reference.layer_norm_forward(x, eps=0.0)[0]
     with np.errstate(all="ignore"):
         got = reference.layer_norm_forward(x + b, eps=0.0)[0]
@@ -91,14 +93,17 @@ def _shift_reason(b: Any) -> str | None:
         return "x + b is constant, so LN(x + b) is 0/0 at eps = 0"
     err = float(np.max(np.abs(got - want)))
     if err > 1e-9:
-        hint = ("LN(x + b) = -LN(x): x + b is a negative multiple of x, up to a constant"
-                if np.allclose(got, -want, atol=1e-9) else
-                "which directions of x does LN ignore? Think of x + b = a x + c 1")
+        hint = (
+            "LN(x + b) = -LN(x): x + b is a negative multiple of x, up to a constant"
+            if np.allclose(got, -want, atol=1e-9)
+            else "which directions of x does LN ignore? Think of x + b = a x + c 1"
+        )
         return f"LN(x + b) differs from LN(x) by up to {err:.3g}; {hint}"
     return None
 
 
 # ---------------------------------------------------------- exercise: the Jacobian's spectrum
+
 
 def _jacobian(x, eps):
     xhat, _, rstd = reference.layer_norm_forward(x, eps=eps)  # xhat: (D,), rstd: ()
@@ -121,24 +126,29 @@ def check_jacobian_spectrum(fn: Callable[..., Any]) -> CheckResult:
     cases = [
         Case("the first vector of the worked example", (SHIFT_EXAMPLE.copy(),)),
         Case("a random vector, D = 8", (rng.normal(size=8),)),
-        Case("eps = 0 passed as a keyword (two zero eigenvalues)", (rng.normal(size=6),),
-             {"eps": 0.0}),
+        Case(
+            "eps = 0 passed as a keyword (two zero eigenvalues)",
+            (rng.normal(size=6),),
+            {"eps": 0.0},
+        ),
         Case("a small spread, variance about eps", (1.0 + 3e-3 * rng.normal(size=5),)),
         Case("eps = 1.0 passed as a keyword", (rng.normal(size=4),), {"eps": 1.0}),
         Case("a constant vector", (np.full(5, 2.0),)),
         Case("D = 2", (np.array([1.0, 4.0]),)),
     ]
-    return check(fn, _ref_spectrum, cases, rtol=1e-9, atol=1e-9,
-                 name=getattr(fn, "__name__", "spectrum"))
+    return check(
+        fn, _ref_spectrum, cases, rtol=1e-9, atol=1e-9, name=getattr(fn, "__name__", "spectrum")
+    )
 
 
 # ------------------------------------------------ exercise: the gradient of a weight matrix
 
+
 def _ref_weight_grad(W, x, dy, eps=1e-6):
-    h = x @ W.T                                          # (N, D)
+    h = x @ W.T  # (N, D)
     _, rstd = reference.rms_norm_forward(h, eps=eps)
     dh = reference.rms_norm_backward(dy, h, rstd)[0]
-    return dh.T @ x                                      # (D, D_in)
+    return dh.T @ x  # (D, D_in)
 
 
 def check_weight_grad(fn: Callable[..., Any]) -> CheckResult:
@@ -153,19 +163,31 @@ def check_weight_grad(fn: Callable[..., Any]) -> CheckResult:
     x, dy = rng.normal(size=(7, 5)), rng.normal(size=(7, 6))
     cases = [
         Case("a random (6, 5) W and 7 rows", (w, x, dy)),
-        Case("one row, N = 1", (rng.normal(size=(4, 3)), rng.normal(size=(1, 3)),
-                                rng.normal(size=(1, 4)))),
+        Case(
+            "one row, N = 1",
+            (rng.normal(size=(4, 3)), rng.normal(size=(1, 3)), rng.normal(size=(1, 4))),
+        ),
         Case("the same W times 10 (the gradient is 10 times smaller)", (10 * w, x, dy)),
         Case("eps = 0 passed as a keyword", (w, x, dy), {"eps": 0.0}),
-        Case("dy = y: a gradient along the output itself (dW is zero at eps = 0)",
-             (w, x, reference.rms_norm_forward(x @ w.T, eps=0.0)[0]), {"eps": 0.0},
-             atol=1e-12),
+        Case(
+            "dy = y: a gradient along the output itself (dW is zero at eps = 0)",
+            (w, x, reference.rms_norm_forward(x @ w.T, eps=0.0)[0]),
+            {"eps": 0.0},
+            atol=1e-12,
+        ),
     ]
-    return check(fn, _ref_weight_grad, cases, rtol=1e-7, atol=1e-10,
-                 name=getattr(fn, "__name__", "weight_grad"))
+    return check(
+        fn,
+        _ref_weight_grad,
+        cases,
+        rtol=1e-7,
+        atol=1e-10,
+        name=getattr(fn, "__name__", "weight_grad"),
+    )
 
 
 # ----------------------------------------- exercise: the squared norm after one SGD step
+
 
 def _ref_next_sq_norm(sq_norm, grad_sq_norm, lr, wd):
     return (1 - lr * wd) ** 2 * sq_norm + lr**2 * grad_sq_norm
@@ -183,14 +205,29 @@ def check_next_sq_norm(fn: Callable[..., Any]) -> CheckResult:
         Case("no weight decay", (4.0, 9.0, 0.1, 0.0)),
         Case("weight decay 0.01", (4.0, 9.0, 0.1, 0.01)),
         Case("a zero gradient: only the decay acts", (2.5, 0.0, 0.5, 0.1)),
-        Case("arrays of 5 settings", (rng.uniform(1, 3, 5), rng.uniform(0, 1, 5),
-                                      rng.uniform(0.01, 1, 5), rng.uniform(0, 0.1, 5))),
+        Case(
+            "arrays of 5 settings",
+            (
+                rng.uniform(1, 3, 5),
+                rng.uniform(0, 1, 5),
+                rng.uniform(0.01, 1, 5),
+                rng.uniform(0, 0.1, 5),
+            ),
+        ),
     ]
-    return check(fn, _ref_next_sq_norm, cases, rtol=1e-12, atol=1e-12, check_dtype=False,
-                 name=getattr(fn, "__name__", "next_sq_norm"))
+    return check(
+        fn,
+        _ref_next_sq_norm,
+        cases,
+        rtol=1e-12,
+        atol=1e-12,
+        check_dtype=False,
+        name=getattr(fn, "__name__", "next_sq_norm"),
+    )
 
 
 # ------------------------------------------------- exercise: keys that can win an argmax
+
 
 def _cross(o, a, b):
     return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
@@ -226,21 +263,30 @@ def check_selectable_keys(fn: Callable[..., Any]) -> CheckResult:
     rng = _rng()
     angles = np.sort(rng.uniform(0, 2 * np.pi, 12))
     cases = [
-        Case("the corners of a square and its centre",
-             (np.array([[1.0, 1.0], [-1.0, 1.0], [-1.0, -1.0], [1.0, -1.0], [0.0, 0.0]]),)),
+        Case(
+            "the corners of a square and its centre",
+            (np.array([[1.0, 1.0], [-1.0, 1.0], [-1.0, -1.0], [1.0, -1.0], [0.0, 0.0]]),),
+        ),
         Case("30 Gaussian keys", (rng.normal(size=(30, 2)),)),
-        Case("12 keys on a circle, as after LayerNorm",
-             (np.stack([np.cos(angles), np.sin(angles)], axis=1),)),
-        Case("a key in the middle of an edge",
-             (np.array([[0.0, 0.0], [2.0, 0.0], [1.0, 0.0], [1.0, 3.0]]),)),
-        Case("one large key and small ones near it",
-             (np.vstack([[10.0, 0.0], [1.0, 0.2], [1.0, -0.2], [-1.0, 0.0]]),)),
+        Case(
+            "12 keys on a circle, as after LayerNorm",
+            (np.stack([np.cos(angles), np.sin(angles)], axis=1),),
+        ),
+        Case(
+            "a key in the middle of an edge",
+            (np.array([[0.0, 0.0], [2.0, 0.0], [1.0, 0.0], [1.0, 3.0]]),),
+        ),
+        Case(
+            "one large key and small ones near it",
+            (np.vstack([[10.0, 0.0], [1.0, 0.2], [1.0, -0.2], [-1.0, 0.0]]),),
+        ),
         Case("a single key", (np.array([[0.5, -2.0]]),)),
     ]
     return check(fn, _ref_selectable, cases, name=getattr(fn, "__name__", "selectable"))
 
 
 # ------------------------------------------------- exercise: a batch-invariant row sum
+
 
 def _sequential_sum(x):
     """Sum the last axis strictly left to right, in x's dtype (vectorized over the rest)."""
@@ -263,7 +309,7 @@ def split_row_sum(x: np.ndarray) -> np.ndarray:
     n, d = x.shape
     if n >= 32:
         return _sequential_sum(x)
-    parts = _sequential_sum(x.reshape(n, 4, d // 4))     # (N, 4) partial sums
+    parts = _sequential_sum(x.reshape(n, 4, d // 4))  # (N, 4) partial sums
     return _sequential_sum(parts)
 
 
@@ -276,9 +322,12 @@ def check_batch_invariant_sum(fn: Callable[..., Any]) -> CheckResult:
     """
     name = getattr(fn, "__name__", "batch-invariant sum")
     rng = np.random.default_rng(7)
-    x = (1.0 + rng.standard_normal((200, 512))).astype(np.float32)   # (200, 512)
-    return _result(name, _invariance_reason(fn, x),
-                   "accurate, and every row's bits are the same in every batch.")
+    x = (1.0 + rng.standard_normal((200, 512))).astype(np.float32)  # (200, 512)
+    return _result(
+        name,
+        _invariance_reason(fn, x),
+        "accurate, and every row's bits are the same in every batch.",
+    )
 
 
 def _call_sum(fn, x):
@@ -287,8 +336,11 @@ def _call_sum(fn, x):
     except Exception as exc:  # noqa: BLE001  the reader's error is reported, never raised
         return None, f"raised {type(exc).__name__}: {exc}"
     if not isinstance(got, np.ndarray) or got.shape != x.shape[:1] or got.dtype != np.float32:
-        what = (f"{got.dtype} of shape {got.shape}" if isinstance(got, np.ndarray)
-                else type(got).__name__)
+        what = (
+            f"{got.dtype} of shape {got.shape}"
+            if isinstance(got, np.ndarray)
+            else type(got).__name__
+        )
         return None, f"expected a float32 array of shape {x.shape[:1]}, got {what}"
     return got, None
 
@@ -303,13 +355,15 @@ def _invariance_reason(fn, x) -> str | None:
         i = int(err.argmax())
         return f"row {i}: sum {full[i]:.7g}, exact {exact[i]:.7g} (relative error {err[i]:.2g})"
     for start, size in [(0, 1), (5, 1), (0, 2), (10, 7), (31, 31), (100, 32), (3, 64)]:
-        part, reason = _call_sum(fn, x[start:start + size])
+        part, reason = _call_sum(fn, x[start : start + size])
         if reason:
             return f"on {size} rows: {reason}"
-        diff = np.flatnonzero(part.view(np.int32) != full[start:start + size].view(np.int32))
+        diff = np.flatnonzero(part.view(np.int32) != full[start : start + size].view(np.int32))
         if diff.size:
             i = start + int(diff[0])
-            return (f"row {i} sums to {part[diff[0]]!r} in a batch of {size} rows and to "
-                    f"{full[i]!r} in the batch of {x.shape[0]}: the order of the additions "
-                    "must not depend on the batch size")
+            return (
+                f"row {i} sums to {part[diff[0]]!r} in a batch of {size} rows and to "
+                f"{full[i]!r} in the batch of {x.shape[0]}: the order of the additions "
+                "must not depend on the batch size"
+            )
     return None

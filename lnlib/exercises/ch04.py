@@ -54,6 +54,7 @@ def _name(fn, default):
 
 # ------------------------------------------------------------------------- RMSNorm forward
 
+
 def _ref_rms(x, weight, eps=1e-6):
     return reference.rms_norm_forward(x, weight, eps=eps)[0]
 
@@ -68,21 +69,27 @@ def check_rms_norm(fn: Callable[..., Any]) -> CheckResult:
     rng = _rng()
     row = rng.normal(size=(1, 8))
     cases = [
-        Case("a random (5, 16) batch with a random weight",
-             (rng.normal(size=(5, 16)), rng.normal(size=16))),
-        Case("three dimensions (2, 3, 8): normalize the last axis only",
-             (rng.normal(size=(2, 3, 8)), rng.normal(size=8))),
+        Case(
+            "a random (5, 16) batch with a random weight",
+            (rng.normal(size=(5, 16)), rng.normal(size=16)),
+        ),
+        Case(
+            "three dimensions (2, 3, 8): normalize the last axis only",
+            (rng.normal(size=(2, 3, 8)), rng.normal(size=8)),
+        ),
         Case("a zero-mean row", (row - row.mean(), np.ones(8))),
-        Case("a row with mean 100: RMSNorm does not subtract it",
-             (100 + rng.normal(size=(2, 8)), np.ones(8))),
+        Case(
+            "a row with mean 100: RMSNorm does not subtract it",
+            (100 + rng.normal(size=(2, 8)), np.ones(8)),
+        ),
         Case("an all-zero row (the output is zero)", (np.zeros((2, 5)), np.ones(5))),
-        Case("eps = 0.5 passed as a keyword",
-             (rng.normal(size=(3, 4)), np.ones(4)), {"eps": 0.5}),
+        Case("eps = 0.5 passed as a keyword", (rng.normal(size=(3, 4)), np.ones(4)), {"eps": 0.5}),
     ]
     return check(fn, _ref_rms, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "rms_norm"))
 
 
 # ------------------------------------------------------------------------ RMSNorm backward
+
 
 def _ref_rms_backward(dy, x, weight, eps=1e-6):
     _, rstd = reference.rms_norm_forward(x, weight, eps=eps)
@@ -99,19 +106,28 @@ def check_rms_norm_backward(fn: Callable[..., Any]) -> CheckResult:
     x = rng.normal(size=(4, 6))
     cases = [
         Case("a random (4, 6) batch", (rng.normal(size=(4, 6)), x, rng.normal(size=6))),
-        Case("three dimensions (2, 3, 5)",
-             (rng.normal(size=(2, 3, 5)), rng.normal(size=(2, 3, 5)), rng.normal(size=5))),
+        Case(
+            "three dimensions (2, 3, 5)",
+            (rng.normal(size=(2, 3, 5)), rng.normal(size=(2, 3, 5)), rng.normal(size=5)),
+        ),
         Case("dy parallel to x, weight 1 (dx is almost zero)", (x.copy(), x, np.ones(6))),
-        Case("eps = 1.0 passed as a keyword",
-             (rng.normal(size=(3, 4)), rng.normal(size=(3, 4)), np.ones(4)), {"eps": 1.0}),
-        Case("a single feature, D = 1",
-             (rng.normal(size=(3, 1)), rng.normal(size=(3, 1)), np.ones(1))),
+        Case(
+            "eps = 1.0 passed as a keyword",
+            (rng.normal(size=(3, 4)), rng.normal(size=(3, 4)), np.ones(4)),
+            {"eps": 1.0},
+        ),
+        Case(
+            "a single feature, D = 1",
+            (rng.normal(size=(3, 1)), rng.normal(size=(3, 1)), np.ones(1)),
+        ),
     ]
-    return check(fn, _ref_rms_backward, cases, rtol=1e-6, atol=1e-9,
-                 name=_name(fn, "rms_norm_backward"))
+    return check(
+        fn, _ref_rms_backward, cases, rtol=1e-6, atol=1e-9, name=_name(fn, "rms_norm_backward")
+    )
 
 
 # ------------------------------------------------------------------------------- pRMSNorm
+
 
 def partial_rms_norm(x, p, eps=1e-8):
     """pRMSNorm: RMSNorm whose root mean square is estimated from the first ``ceil(p * D)``
@@ -134,11 +150,13 @@ def check_partial_rms_norm(fn: Callable[..., Any]) -> CheckResult:
         Case("three dimensions (2, 3, 8)", (rng.normal(size=(2, 3, 8)), 0.5)),
         Case("eps = 1.0 passed as a keyword", (x, 0.5), {"eps": 1.0}),
     ]
-    return check(fn, partial_rms_norm, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "partial_rms_norm"))
+    return check(
+        fn, partial_rms_norm, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "partial_rms_norm")
+    )
 
 
 # ------------------------------------------------------------------------------ ScaleNorm
+
 
 def scale_norm(x, g, eps=1e-5):
     """ScaleNorm (Nguyen and Salazar, 2019): ``g * x / max(||x||, eps)`` over the last axis."""
@@ -153,15 +171,18 @@ def check_scale_norm(fn: Callable[..., Any]) -> CheckResult:
         Case("a random (4, 8) batch, g = sqrt(8)", (rng.normal(size=(4, 8)), math.sqrt(8))),
         Case("g = 2.5 on three dimensions (2, 3, 6)", (rng.normal(size=(2, 3, 6)), 2.5)),
         Case("a row with mean 50 (not subtracted)", (50 + rng.normal(size=(2, 5)), 1.0)),
-        Case("an all-zero row (eps keeps it finite: the output is zero)",
-             (np.zeros((2, 4)), 3.0)),
-        Case("a row shorter than eps = 0.5: divided by eps",
-             (np.full((1, 4), 0.1), 1.0), {"eps": 0.5}),
+        Case("an all-zero row (eps keeps it finite: the output is zero)", (np.zeros((2, 4)), 3.0)),
+        Case(
+            "a row shorter than eps = 0.5: divided by eps",
+            (np.full((1, 4), 0.1), 1.0),
+            {"eps": 0.5},
+        ),
     ]
     return check(fn, scale_norm, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "scale_norm"))
 
 
 # ------------------------------------------------------------------------------ GroupNorm
+
 
 def _ref_group_norm(x, num_groups, weight, bias, eps=1e-5):
     return reference.group_norm_forward(x, num_groups, weight, bias, eps=eps)[0]
@@ -190,11 +211,11 @@ def check_group_norm(fn: Callable[..., Any]) -> CheckResult:
         Case("G = 3 groups of different scales", (x, 3, w, b)),
         Case("eps = 0.5 passed as a keyword", case((2, 4, 2), 2), {"eps": 0.5}),
     ]
-    return check(fn, _ref_group_norm, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "group_norm"))
+    return check(fn, _ref_group_norm, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "group_norm"))
 
 
 # -------------------------------------------------------------------- Dynamic Tanh backward
+
 
 def _ref_dyt_backward(dy, x, alpha, weight):
     return reference.dynamic_tanh_backward(dy, x, alpha, weight)
@@ -206,15 +227,23 @@ def check_dynamic_tanh_backward(fn: Callable[..., Any]) -> CheckResult:
     ``weight``; ``dalpha`` is a scalar, ``dweight``/``dbias`` have shape (D,)."""
     rng = _rng()
     cases = [
-        Case("a random (4, 6) batch, alpha = 0.5",
-             (rng.normal(size=(4, 6)), 2 * rng.normal(size=(4, 6)), 0.5, rng.normal(size=6))),
-        Case("three dimensions (2, 3, 4): sum dweight over both leading axes",
-             (rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 3, 4)), 1.3,
-              rng.normal(size=4))),
-        Case("large inputs: tanh saturates and dx vanishes",
-             (rng.normal(size=(2, 5)), 50 * rng.normal(size=(2, 5)), 2.0, np.ones(5))),
-        Case("a negative alpha", (rng.normal(size=(3, 4)), rng.normal(size=(3, 4)), -0.7,
-                                  rng.normal(size=4))),
+        Case(
+            "a random (4, 6) batch, alpha = 0.5",
+            (rng.normal(size=(4, 6)), 2 * rng.normal(size=(4, 6)), 0.5, rng.normal(size=6)),
+        ),
+        Case(
+            "three dimensions (2, 3, 4): sum dweight over both leading axes",
+            (rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 3, 4)), 1.3, rng.normal(size=4)),
+        ),
+        Case(
+            "large inputs: tanh saturates and dx vanishes",
+            (rng.normal(size=(2, 5)), 50 * rng.normal(size=(2, 5)), 2.0, np.ones(5)),
+        ),
+        Case(
+            "a negative alpha",
+            (rng.normal(size=(3, 4)), rng.normal(size=(3, 4)), -0.7, rng.normal(size=4)),
+        ),
     ]
-    return check(fn, _ref_dyt_backward, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "dynamic_tanh_backward"))
+    return check(
+        fn, _ref_dyt_backward, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "dynamic_tanh_backward")
+    )

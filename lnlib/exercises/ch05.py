@@ -12,7 +12,7 @@ checker                             the reader writes
 :func:`check_backward_from_output`  ``fn(dy, y, rstd, weight, bias) -> dx``
 :func:`check_min_time`              ``fn(M, H, itemsize, bandwidth_GBps, backward=False) -> s``
 :func:`check_sharded_rms_rstd`      ``fn(shards, eps) -> rstd`` of RMSNorm over sharded rows
-:func:`check_lane_sum`              ``fn(x, lanes=16) -> sums``, in a fixed lane order    
+:func:`check_lane_sum`              ``fn(x, lanes=16) -> sums``, in a fixed lane order
 ==================================  ===================================================
 
 The book derives each of them in Chapter 5.
@@ -52,6 +52,7 @@ def _moments(x):
 
 # ------------------------------------------------------------- exercise: Chan's merge
 
+
 def _ref_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
     n, mean, m2 = merge_moments([n_a, n_b], [mean_a, mean_b], [m2_a, m2_b])
     return n, mean, m2
@@ -70,21 +71,30 @@ def check_merge(fn: Callable[..., Any]) -> CheckResult:
         ("two halves of 4 random rows", rng.normal(size=(4, 16)), 8),
         ("unequal pieces, 1 and 9 columns", rng.normal(size=(3, 10)), 1),
         ("a large mean and a small spread: 1e6 + N(0, 1)", 1e6 + rng.normal(size=(2, 64)), 20),
-        ("pieces with very different means", np.concatenate(
-            [rng.normal(-50.0, 1.0, size=(2, 5)), rng.normal(50.0, 1.0, size=(2, 7))], 1), 5),
+        (
+            "pieces with very different means",
+            np.concatenate(
+                [rng.normal(-50.0, 1.0, size=(2, 5)), rng.normal(50.0, 1.0, size=(2, 7))], 1
+            ),
+            5,
+        ),
         ("constant rows (M2 = 0 everywhere)", np.full((2, 6), 3.5), 3),
     ]:
         na, ma, m2a = _moments(x[:, :split])
         nb, mb, m2b = _moments(x[:, split:])
         cases.append(Case(desc, (na, ma, m2a, nb, mb, m2b), rtol=1e-9, atol=1e-9))
     m_a, m_b = np.float64(2.0), np.float64(4.0)
-    cases.append(Case("scalars: (1, 2.0, 0.0) and (1, 4.0, 0.0)",
-                      (1, m_a, np.float64(0.0), 1, m_b, np.float64(0.0))))
-    return check(fn, _ref_merge, cases, name=getattr(fn, "__name__", "merge"),
-                 check_dtype=False)
+    cases.append(
+        Case(
+            "scalars: (1, 2.0, 0.0) and (1, 4.0, 0.0)",
+            (1, m_a, np.float64(0.0), 1, m_b, np.float64(0.0)),
+        )
+    )
+    return check(fn, _ref_merge, cases, name=getattr(fn, "__name__", "merge"), check_dtype=False)
 
 
 # ---------------------------------------------------------- exercise: one-pass Welford
+
 
 def _ref_welford(x):
     x = np.asarray(x, dtype=np.float64)
@@ -101,16 +111,25 @@ def check_welford(fn: Callable[..., Any]) -> CheckResult:
     cases = [
         Case("4 random rows of 32", rng.normal(size=(4, 32))),
         Case("a single column (variance 0)", rng.normal(size=(3, 1))),
-        Case("a mean of 1e8 and a spread of 1", 1e8 + rng.normal(size=(2, 200)),
-             rtol=1e-6, atol=1e-6),
+        Case(
+            "a mean of 1e8 and a spread of 1", 1e8 + rng.normal(size=(2, 200)), rtol=1e-6, atol=1e-6
+        ),
         Case("three dimensions (2, 3, 7)", rng.normal(size=(2, 3, 7))),
         Case("constant rows", np.full((2, 9), -4.25)),
     ]
-    return check(fn, _ref_welford, cases, name=getattr(fn, "__name__", "welford"),
-                 rtol=1e-10, atol=1e-12, check_dtype=False)
+    return check(
+        fn,
+        _ref_welford,
+        cases,
+        name=getattr(fn, "__name__", "welford"),
+        rtol=1e-10,
+        atol=1e-12,
+        check_dtype=False,
+    )
 
 
 # ------------------------------------------------- exercise: backward from the output
+
 
 def _ref_backward_from_output(dy, y, rstd, weight, bias):
     return layer_norm_backward_from_output(dy, y, rstd, weight, bias)[0]
@@ -124,9 +143,11 @@ def check_backward_from_output(fn: Callable[..., Any]) -> CheckResult:
     """
     rng = _rng()
     cases = []
-    for desc, shape, shift in [("a (4, 8) batch", (4, 8), 0.0),
-                               ("a (3, 64) batch with a large mean", (3, 64), 100.0),
-                               ("one feature, H = 1", (3, 1), 0.0)]:
+    for desc, shape, shift in [
+        ("a (4, 8) batch", (4, 8), 0.0),
+        ("a (3, 64) batch with a large mean", (3, 64), 100.0),
+        ("one feature, H = 1", (3, 1), 0.0),
+    ]:
         x = rng.normal(shift, 2.0, size=shape)
         weight = rng.choice([-1.0, 1.0], size=shape[1]) * rng.uniform(0.5, 2.0, size=shape[1])
         bias = rng.normal(size=shape[1])
@@ -134,13 +155,24 @@ def check_backward_from_output(fn: Callable[..., Any]) -> CheckResult:
         cases.append(Case(desc, (rng.normal(size=shape), y, rstd, weight, bias)))
     x = rng.normal(size=(2, 5))
     y, _, rstd = reference.layer_norm_forward(x, np.ones(5), np.zeros(5))
-    cases.append(Case("weight of ones and bias of zeros", (rng.normal(size=(2, 5)), y, rstd,
-                                                           np.ones(5), np.zeros(5))))
-    return check(fn, _ref_backward_from_output, cases,
-                 name=getattr(fn, "__name__", "backward_from_output"), rtol=1e-9, atol=1e-10)
+    cases.append(
+        Case(
+            "weight of ones and bias of zeros",
+            (rng.normal(size=(2, 5)), y, rstd, np.ones(5), np.zeros(5)),
+        )
+    )
+    return check(
+        fn,
+        _ref_backward_from_output,
+        cases,
+        name=getattr(fn, "__name__", "backward_from_output"),
+        rtol=1e-9,
+        atol=1e-10,
+    )
 
 
 # -------------------------------------------------------- exercise: the roofline bound
+
 
 def _ref_min_time(M, H, itemsize, bandwidth_GBps, backward=False):
     elements = (5 if backward else 2) * M * H
@@ -157,16 +189,26 @@ def check_min_time(fn: Callable[..., Any]) -> CheckResult:
     cases = [
         Case("forward, (4096, 4096) float32 at 20 GB/s", (4096, 4096, 4, 20.0)),
         Case("forward, (32768, 768) float16 at 100 GB/s", (32768, 768, 2, 100.0)),
-        Case("forward and backward, (4096, 4096) float32 at 20 GB/s",
-             (4096, 4096, 4, 20.0), {"backward": True}),
-        Case("forward and backward, (1, 1) float64 at 1 GB/s", (1, 1, 8, 1.0),
-             {"backward": True}),
+        Case(
+            "forward and backward, (4096, 4096) float32 at 20 GB/s",
+            (4096, 4096, 4, 20.0),
+            {"backward": True},
+        ),
+        Case("forward and backward, (1, 1) float64 at 1 GB/s", (1, 1, 8, 1.0), {"backward": True}),
     ]
-    return check(fn, _ref_min_time, cases, name=getattr(fn, "__name__", "min_time"),
-                 rtol=1e-9, atol=0.0, check_dtype=False)
+    return check(
+        fn,
+        _ref_min_time,
+        cases,
+        name=getattr(fn, "__name__", "min_time"),
+        rtol=1e-9,
+        atol=0.0,
+        check_dtype=False,
+    )
 
 
 # -------------------------------------------------- exercise: RMSNorm over shards
+
 
 def _ref_sharded_rms_rstd(shards, eps):
     x = np.concatenate(shards, axis=-1)
@@ -187,12 +229,19 @@ def check_sharded_rms_rstd(fn: Callable[..., Any]) -> CheckResult:
         Case("eps = 0.5", ([x[:, :5], x[:, 5:]], 0.5)),
         Case("a zero row", ([np.zeros((2, 3)), np.zeros((2, 4))], 1e-6)),
     ]
-    return check(fn, _ref_sharded_rms_rstd, cases,
-                 name=getattr(fn, "__name__", "sharded_rms_rstd"), rtol=1e-10, atol=0.0,
-                 check_dtype=False)
+    return check(
+        fn,
+        _ref_sharded_rms_rstd,
+        cases,
+        name=getattr(fn, "__name__", "sharded_rms_rstd"),
+        rtol=1e-10,
+        atol=0.0,
+        check_dtype=False,
+    )
 
 
 # ------------------------------------------- exercise: the compiled kernel's summation order
+
 
 def _ref_lane_sum(x, lanes=16):
     """Sum over the last axis in ``lanes`` partial sums combined pairwise (exercise 5.6)."""
@@ -201,13 +250,13 @@ def _ref_lane_sum(x, lanes=16):
     full = n // lanes * lanes
     acc = np.zeros(x.shape[:-1] + (lanes,), dtype=x.dtype)  # one partial sum per lane
     for i in range(0, full, lanes):
-        acc += x[..., i:i + lanes]
+        acc += x[..., i : i + lanes]
     tail = np.zeros(x.shape[:-1], dtype=x.dtype)  # the last n mod lanes elements, in order
     for i in range(full, n):
         tail += x[..., i]
     width = lanes // 2
     while width:
-        acc[..., :width] += acc[..., width:2 * width]
+        acc[..., :width] += acc[..., width : 2 * width]
         width //= 2
     return acc[..., 0] + tail
 
@@ -238,5 +287,6 @@ def check_lane_sum(fn: Callable[..., Any]) -> CheckResult:
         Case("float64 rows of 1000 values", rows((3, 1000), np.float64)),
         Case("three dimensions (2, 3, 70)", rows((2, 3, 70))),
     ]
-    return check(fn, _ref_lane_sum, cases, name=getattr(fn, "__name__", "lane_sum"),
-                 rtol=0.0, atol=0.0)
+    return check(
+        fn, _ref_lane_sum, cases, name=getattr(fn, "__name__", "lane_sum"), rtol=0.0, atol=0.0
+    )

@@ -70,13 +70,17 @@ class _Sublayer:
 
     def __eq__(self, other) -> bool:
         # The checker compares arguments before and after the call (changed in place?).
-        return (isinstance(other, _Sublayer) and np.array_equal(self.W, other.W)
-                and np.array_equal(self.V, other.V))
+        return (
+            isinstance(other, _Sublayer)
+            and np.array_equal(self.W, other.W)
+            and np.array_equal(self.V, other.V)
+        )
 
     __hash__ = None
 
 
 # ------------------------------------------------------- exercise: where the norm sits
+
 
 def _ref_residual_block(x, f, placement, eps=1e-5):
     if placement == "post":
@@ -105,16 +109,19 @@ def check_residual_block(fn: Callable[..., Any]) -> CheckResult:
         Case("Pre-LN on the same batch", (x8, f8, "pre")),
         Case("Peri-LN on the same batch", (x8, f8, "peri")),
         Case("Pre-LN on a large residual stream (it must stay large)", (big, f16, "pre")),
-        Case("Post-LN on a large residual stream (it must come out normalized)",
-             (big, f16, "post")),
+        Case(
+            "Post-LN on a large residual stream (it must come out normalized)", (big, f16, "post")
+        ),
         Case("Peri-LN with eps = 0.5 passed as a keyword", (x8, f8, "peri"), {"eps": 0.5}),
         Case("an unknown placement", (x8, f8, "middle"), raises=ValueError),
     ]
-    return check(fn, _ref_residual_block, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "residual_block"))
+    return check(
+        fn, _ref_residual_block, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "residual_block")
+    )
 
 
 # ----------------------------------------------- exercise: the exponent of a power law
+
 
 def _ref_scaling_exponent(depths, grad_norms):
     logs_l = np.log(np.asarray(depths, dtype=np.float64))
@@ -132,20 +139,30 @@ def check_scaling_exponent(fn: Callable[..., Any]) -> CheckResult:
     """
     rng = _rng()
     depths = np.array([1, 2, 4, 8, 16, 32])
-    noisy = 3.0 * depths ** -0.5 * np.exp(rng.normal(scale=0.1, size=depths.size))
+    noisy = 3.0 * depths**-0.5 * np.exp(rng.normal(scale=0.1, size=depths.size))
     cases = [
-        Case("an exact power law with exponent -1/2", (depths, 2.0 * depths ** -0.5)),
+        Case("an exact power law with exponent -1/2", (depths, 2.0 * depths**-0.5)),
         Case("a constant (exponent 0)", (depths, np.full(depths.size, 4.2))),
         Case("a noisy power law (least squares, not the end points)", (depths, noisy)),
         Case("two points given as lists", ([2, 8], [1.0, 4.0])),
-        Case("depths that are not powers of two", (np.array([3, 5, 7, 11]),
-                                                  np.array([1.0, 0.8, 0.7, 0.55]))),
+        Case(
+            "depths that are not powers of two",
+            (np.array([3, 5, 7, 11]), np.array([1.0, 0.8, 0.7, 0.55])),
+        ),
     ]
-    return check(fn, _ref_scaling_exponent, cases, rtol=1e-9, atol=1e-12, check_dtype=False,
-                 name=_name(fn, "scaling_exponent"))
+    return check(
+        fn,
+        _ref_scaling_exponent,
+        cases,
+        rtol=1e-9,
+        atol=1e-12,
+        check_dtype=False,
+        name=_name(fn, "scaling_exponent"),
+    )
 
 
 # ------------------------------------------------------------ exercise: an adaLN-Zero block
+
 
 def _ref_adaln_zero_block(x, c, f, weight, bias, eps=1e-6):
     shift, scale, gate = adaln_modulation(c, weight, bias)  # each (B, D)
@@ -174,11 +191,13 @@ def check_adaln_zero_block(fn: Callable[..., Any]) -> CheckResult:
         Case("a large residual stream", (x * 50 + 3, c, f, w, bias)),
         Case("eps = 0.1 passed as a keyword", (x, c, f, w, bias), {"eps": 0.1}),
     ]
-    return check(fn, _ref_adaln_zero_block, cases, rtol=1e-7, atol=1e-9,
-                 name=_name(fn, "adaln_zero_block"))
+    return check(
+        fn, _ref_adaln_zero_block, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "adaln_zero_block")
+    )
 
 
 # ---------------------------------------------------------- exercise: the TD targets
+
 
 def _ref_td_targets(rewards, q_next, dones, gamma):
     rewards = np.asarray(rewards, dtype=np.float64)
@@ -200,15 +219,25 @@ def check_td_targets(fn: Callable[..., Any]) -> CheckResult:
         Case("no episode ends", (r, q, np.zeros(6), 0.99)),
         Case("some episodes end (no bootstrap there)", (r, q, np.array([0, 1, 0, 1, 1, 0]), 0.9)),
         Case("gamma = 0: the reward alone", (r, q, np.zeros(6), 0.0)),
-        Case("all next values negative (the max, not the max of |q|)",
-             (r, -np.abs(q) - 1, np.zeros(6), 0.5)),
+        Case(
+            "all next values negative (the max, not the max of |q|)",
+            (r, -np.abs(q) - 1, np.zeros(6), 0.5),
+        ),
         Case("one action", (r[:2], q[:2, :1], np.zeros(2), 0.99)),
     ]
-    return check(fn, _ref_td_targets, cases, rtol=1e-9, atol=1e-12, check_dtype=False,
-                 name=_name(fn, "td_targets"))
+    return check(
+        fn,
+        _ref_td_targets,
+        cases,
+        rtol=1e-9,
+        atol=1e-12,
+        check_dtype=False,
+        name=_name(fn, "td_targets"),
+    )
 
 
 # ---------------------------------------------------- exercise: find the outlier features
+
 
 def _ref_outlier_features(x, factor=6.0):
     x = np.asarray(x, dtype=np.float64)
@@ -237,14 +266,14 @@ def check_outlier_features(fn: Callable[..., Any]) -> CheckResult:
         Case("two outlier features, 20 times larger", (spiky,)),
         Case("one huge value in one token", (one_token,)),
         Case("a feature with a large mean (RMS, not standard deviation)", (shifted,)),
-        Case("factor = 25 passed as a keyword (nothing is that large)", (spiky,),
-             {"factor": 25.0}),
+        Case("factor = 25 passed as a keyword (nothing is that large)", (spiky,), {"factor": 25.0}),
         Case("float32 input", (spiky.astype(np.float32),)),
     ]
     return check(fn, _ref_outlier_features, cases, name=_name(fn, "outlier_features"))
 
 
 # ---------------------------------------------- exercise: fold a norm's gain into a layer
+
 
 def _ref_fold_norm_gain(weight, W):
     return np.asarray(weight)[:, None] * np.asarray(W)
@@ -262,11 +291,18 @@ def check_fold_norm_gain(fn: Callable[..., Any]) -> CheckResult:
     cases = [
         Case("a (4, 3) layer", (rng.normal(size=4), rng.normal(size=(4, 3)))),
         Case("a gain of ones changes nothing", (np.ones(5), rng.normal(size=(5, 2)))),
-        Case("a square layer (rows, not columns, are scaled)",
-             (np.arange(1.0, 4.0), rng.normal(size=(3, 3)))),
-        Case("float32", (rng.normal(size=6).astype(np.float32),
-                         rng.normal(size=(6, 4)).astype(np.float32)), rtol=1e-6, atol=1e-7),
+        Case(
+            "a square layer (rows, not columns, are scaled)",
+            (np.arange(1.0, 4.0), rng.normal(size=(3, 3))),
+        ),
+        Case(
+            "float32",
+            (rng.normal(size=6).astype(np.float32), rng.normal(size=(6, 4)).astype(np.float32)),
+            rtol=1e-6,
+            atol=1e-7,
+        ),
         Case("one output", (rng.normal(size=7), rng.normal(size=(7, 1)))),
     ]
-    return check(fn, _ref_fold_norm_gain, cases, rtol=1e-12, atol=1e-12,
-                 name=_name(fn, "fold_norm_gain"))
+    return check(
+        fn, _ref_fold_norm_gain, cases, rtol=1e-12, atol=1e-12, name=_name(fn, "fold_norm_gain")
+    )

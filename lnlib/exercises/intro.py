@@ -22,8 +22,12 @@ def _standardize_cases() -> list[Case]:
         Case("a constant row: its variance is 0, eps keeps it finite", (np.full((2, 4), 7.0),)),
         Case("a 3-D input (batch, tokens, features)", (rng.normal(size=(2, 3, 5)),)),
         Case("eps given as a keyword", (rng.normal(size=(2, 3)) * 0.1,), {"eps": 0.01}),
-        Case("float32 rows with mean 1000 and spread 1: the dtype must stay float32",
-             ((1000 + rng.normal(size=(2, 64))).astype(np.float32),), rtol=1e-3, atol=1e-3),
+        Case(
+            "float32 rows with mean 1000 and spread 1: the dtype must stay float32",
+            ((1000 + rng.normal(size=(2, 64))).astype(np.float32),),
+            rtol=1e-3,
+            atol=1e-3,
+        ),
     ]
 
 
@@ -33,5 +37,11 @@ def check_standardize(standardize) -> CheckResult:
     The answer must use the biased variance with ``eps`` inside the square root, keep
     the input's shape and dtype, and leave ``x`` unchanged.
     """
-    return check(standardize, _reference_standardize, _standardize_cases(),
-                 rtol=1e-6, atol=1e-6, name="standardize")
+    return check(
+        standardize,
+        _reference_standardize,
+        _standardize_cases(),
+        rtol=1e-6,
+        atol=1e-6,
+        name="standardize",
+    )

@@ -53,14 +53,23 @@ def run_chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProces
     """Headless Chromium with every address but 127.0.0.1 unreachable."""
     with tempfile.TemporaryDirectory() as profile:
         cmd = [
-            chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu",
-            "--disable-dev-shm-usage", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--disable-quic",
-            "--no-first-run", "--disable-extensions", f"--user-data-dir={profile}",
+            chromium_binary(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-extensions",
+            f"--user-data-dir={profile}",
             # No network: names other than 127.0.0.1 do not resolve, and whatever
             # would still go out is sent to a closed local port instead.
             "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-            "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=127.0.0.1",
+            "--proxy-server=http://127.0.0.1:9",
+            "--proxy-bypass-list=127.0.0.1",
             *args,
         ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)

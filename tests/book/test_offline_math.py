@@ -43,7 +43,8 @@ def test_math_is_typeset_offline(chromium, site_url, html_dir, page):
     containers = re.findall(r"<mjx-container[^>]*>", dom)
     displayed = [c for c in containers if 'display="true"' in c]
     assert len(containers) >= inline + display, (
-        f"{page}: {len(containers)} typeset formulas for {inline} inline + {display} display")
+        f"{page}: {len(containers)} typeset formulas for {inline} inline + {display} display"
+    )
     assert len(displayed) >= display
     assert "<mjx-merror" not in dom, "MathJax reported a TeX error"
     # The typeset formulas contain MathJax's glyph elements, not just empty wrappers.
@@ -56,7 +57,8 @@ def test_the_browser_really_is_offline(chromium, site_url, tmp_path, html_dir):
     probe.write_text(
         "<html><head><script>window.MathJax={tex:{inlineMath:[['\\\\(','\\\\)']]}};</script>"
         '<script src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js"></script>'
-        "</head><body><p>\\(x^2\\)</p></body></html>")
+        "</head><body><p>\\(x^2\\)</p></body></html>"
+    )
     try:
         dom = dump_dom(chromium, f"{site_url}/_offline_probe.html")
     finally:
@@ -69,7 +71,12 @@ def test_screenshot(chromium, site_url):
     out = ROOT / "_build" / "screenshots" / "intro.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
-    result = chromium(f"--virtual-time-budget={VIRTUAL_TIME_MS}", "--window-size=1280,1700",
-                      "--hide-scrollbars", f"--screenshot={out}", f"{site_url}/book/intro.html")
+    result = chromium(
+        f"--virtual-time-budget={VIRTUAL_TIME_MS}",
+        "--window-size=1280,1700",
+        "--hide-scrollbars",
+        f"--screenshot={out}",
+        f"{site_url}/book/intro.html",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert out.exists() and out.stat().st_size > 20_000

@@ -10,7 +10,8 @@ import yaml
 
 EXTERNAL_ASSET = re.compile(
     r'<(?:script|img)[^>]*\ssrc="(?:https?:)?//[^"]+"|<link[^>]*rel="stylesheet"[^>]*'
-    r'href="(?:https?:)?//[^"]+"')
+    r'href="(?:https?:)?//[^"]+"'
+)
 
 
 def pages(html_dir: Path):
@@ -18,8 +19,9 @@ def pages(html_dir: Path):
 
 
 def test_nothing_is_fetched_from_the_network(html_dir):
-    offenders = {str(p.relative_to(html_dir)): EXTERNAL_ASSET.findall(p.read_text())
-                 for p in pages(html_dir)}
+    offenders = {
+        str(p.relative_to(html_dir)): EXTERNAL_ASSET.findall(p.read_text()) for p in pages(html_dir)
+    }
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders
 
@@ -47,8 +49,11 @@ def test_glued_numbers_and_figure_are_pasted_in_the_introduction(html_dir):
     assert len(pasted) >= 3
     for value in pasted:
         float(value)  # a formatted number, not a placeholder
-    assert re.search(r'<figure class="glued-figure[^"]*" id="fig-intro-rows">\s*<a[^>]*>'
-                     r'<img[^>]*src="\.\./_images/[0-9a-f]+\.png"', html)
+    assert re.search(
+        r'<figure class="glued-figure[^"]*" id="fig-intro-rows">\s*<a[^>]*>'
+        r'<img[^>]*src="\.\./_images/[0-9a-f]+\.png"',
+        html,
+    )
     assert "Fig. 1" in html
 
 
@@ -57,8 +62,9 @@ def test_colab_and_repository_buttons(html_dir):
     url = config["repository"]["url"].rstrip("/")
     html = (html_dir / "notebooks" / "00_introduction.html").read_text()
     repo = url.removeprefix("https://github.com/")
-    assert (f"https://colab.research.google.com/github/{repo}/blob/main/"
-            "notebooks/00_introduction.ipynb") in html
+    assert (
+        f"https://colab.research.google.com/github/{repo}/blob/main/notebooks/00_introduction.ipynb"
+    ) in html
     assert f'href="{url}"' in html
 
 

@@ -14,7 +14,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from notebook_template import (
+from notebook_template import (  # noqa: E402 - tools/ is put on sys.path just above
     SETUP_MARKER,
     needs_no_deps,
     no_deps_packages,
@@ -54,13 +54,16 @@ def test_repository_url_is_set_once():
 def test_notebook_follows_the_template(path):
     nb = nbformat.read(path, as_version=4)
     first = nb.cells[0]
-    assert first.cell_type == "markdown" and first.source.startswith("# "), \
+    assert first.cell_type == "markdown" and first.source.startswith("# "), (
         "cell 1: a Markdown title and overview"
+    )
     setup = nb.cells[1]
     assert setup.cell_type == "code" and setup.source == setup_cell_source(
-        no_deps=needs_no_deps(nb)), (
+        no_deps=needs_no_deps(nb)
+    ), (
         "cell 2 must be the Colab-only setup cell exactly as tools/notebook_template.py "
-        "writes it (run `make sync-url` after changing repository.url or the imports)")
+        "writes it (run `make sync-url` after changing repository.url or the imports)"
+    )
     assert not setup.outputs, "the setup cell must print nothing outside Colab"
     sources = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     assert "default_rng(0)" in sources, "seed the generator: rng = np.random.default_rng(0)"
@@ -72,14 +75,16 @@ def test_notebook_follows_the_template(path):
 def notebook_extra() -> set[str]:
     """Distributions lnlib[notebooks] installs, with their own dependencies (names normalised;
     the closure is taken over the packages installed here)."""
-    import tomllib
     from importlib.metadata import PackageNotFoundError, requires
 
+    import tomllib
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    todo = [Requirement(r).name for r in
-            project["dependencies"] + project["optional-dependencies"]["notebooks"]]
+    todo = [
+        Requirement(r).name
+        for r in project["dependencies"] + project["optional-dependencies"]["notebooks"]
+    ]
     found = set()
     while todo:
         name = _normalise(todo.pop())
@@ -90,8 +95,11 @@ def notebook_extra() -> set[str]:
             reqs = requires(name) or []
         except PackageNotFoundError:
             continue
-        todo += [r.name for r in map(Requirement, reqs)
-                 if r.marker is None or r.marker.evaluate({"extra": ""})]
+        todo += [
+            r.name
+            for r in map(Requirement, reqs)
+            if r.marker is None or r.marker.evaluate({"extra": ""})
+        ]
     return found
 
 
@@ -108,8 +116,11 @@ def test_setup_cell_installs_what_the_notebook_imports(path):
     nb = nbformat.read(path, as_version=4)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     modules = set(re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)", code, re.MULTILINE))
-    installed = notebook_extra() | {_normalise(r.split("==")[0])
-                                    for r in no_deps_packages().values()} | {"lnlib"}
+    installed = (
+        notebook_extra()
+        | {_normalise(r.split("==")[0]) for r in no_deps_packages().values()}
+        | {"lnlib"}
+    )
     dists = packages_distributions()
     missing = {}
     for module in sorted(modules - set(sys.stdlib_module_names) - {"lnlib"}):
@@ -118,7 +129,8 @@ def test_setup_cell_installs_what_the_notebook_imports(path):
             missing[module] = sorted(names)
     assert not missing, (
         f"{path.name} imports {missing}, which lnlib[notebooks] does not install: add them to "
-        "the notebooks extra in pyproject.toml (and `make lock`)")
+        "the notebooks extra in pyproject.toml (and `make lock`)"
+    )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -137,8 +149,9 @@ def test_notebook_is_committed_executed(path):
     code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
     counts = [c.execution_count for c in code]
     assert None not in counts, "commit the notebook executed (make execute NB=...)"
-    assert counts == list(range(1, len(code) + 1)) or counts == sorted(counts), \
+    assert counts == list(range(1, len(code) + 1)) or counts == sorted(counts), (
         "execute top to bottom from a fresh kernel"
+    )
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
     assert not errors
 
@@ -158,17 +171,24 @@ def _markdown_sources():
 
 def test_solutions_are_hidden():
     for name, text in _markdown_sources():
-        for match in re.finditer(r"(`{3,}|:{3,})\{solution(-start)?\}[^\n]*\n((?::[^\n]*\n)*)",
-                                 text):
+        for match in re.finditer(
+            r"(`{3,}|:{3,})\{solution(-start)?\}[^\n]*\n((?::[^\n]*\n)*)", text
+        ):
             assert re.search(r":class:.*\bdropdown\b", match.group(3)), (
-                f"{name}: a solution without `:class: dropdown` would be shown to the reader")
+                f"{name}: a solution without `:class: dropdown` would be shown to the reader"
+            )
 
 
 def test_citations_resolve_and_required_entries_exist():
     bib = (ROOT / "references.bib").read_text()
     keys = set(re.findall(r"@\w+\{([^,\s]+),", bib))
-    for key in ["ba2016layer", "ioffe2015batch", "zhang2019root", "peebles2023scalable",
-                "xiong2020layer"]:
+    for key in [
+        "ba2016layer",
+        "ioffe2015batch",
+        "zhang2019root",
+        "peebles2023scalable",
+        "xiong2020layer",
+    ]:
         assert key in keys
     for name, text in _markdown_sources():
         for cited in re.findall(r"\{cite(?::\w+)?\}`([^`]+)`", text):

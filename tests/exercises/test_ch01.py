@@ -18,8 +18,10 @@ def pair_output(a, b, eps=1e-5):
 
 def running_update(running_mean, running_var, x, momentum=0.1):
     n = x.shape[0]
-    return ((1 - momentum) * running_mean + momentum * x.mean(axis=0),
-            (1 - momentum) * running_var + momentum * x.var(axis=0) * n / (n - 1))
+    return (
+        (1 - momentum) * running_mean + momentum * x.mean(axis=0),
+        (1 - momentum) * running_var + momentum * x.var(axis=0) * n / (n - 1),
+    )
 
 
 def fold(W, b, running_mean, running_var, gamma, beta, eps=1e-5):
@@ -61,8 +63,10 @@ def test_sign_without_eps_passes_only_for_rows_far_apart():
 
 def test_biased_running_variance_fails():
     def biased(running_mean, running_var, x, momentum=0.1):
-        return ((1 - momentum) * running_mean + momentum * x.mean(axis=0),
-                (1 - momentum) * running_var + momentum * x.var(axis=0))
+        return (
+            (1 - momentum) * running_mean + momentum * x.mean(axis=0),
+            (1 - momentum) * running_var + momentum * x.var(axis=0),
+        )
 
     result = ch01.check_running_update(biased)
     assert [f.index for f in result.failures] == [1, 2, 4, 5]
@@ -82,7 +86,8 @@ def test_in_place_update_is_caught():
 
 def test_fold_without_eps_fails_on_tiny_variance():
     result = ch01.check_fold_eval_batch_norm(
-        lambda W, b, m, v, g, be, eps=1e-5: fold(W, b, m, v, g, be, eps=0.0))
+        lambda W, b, m, v, g, be, eps=1e-5: fold(W, b, m, v, g, be, eps=0.0)
+    )
     assert [f.index for f in result.failures] == [1, 2, 3, 4, 5]
     assert "tiny" in result.failures[3].description
 

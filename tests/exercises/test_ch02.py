@@ -31,16 +31,20 @@ def backward(dy, x, weight, eps=1e-5):
     rstd = 1 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
     xhat = (x - mean) * rstd
     g = dy * weight
-    return rstd * (g - g.mean(axis=-1, keepdims=True)
-                   - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    return rstd * (
+        g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True)
+    )
 
 
-@pytest.mark.parametrize("checker, fn", [
-    (ch02.check_forward, forward),
-    (ch02.check_jacobian, jacobian),
-    (ch02.check_dgamma, affine_grads),
-    (ch02.check_backward, backward),
-])
+@pytest.mark.parametrize(
+    "checker, fn",
+    [
+        (ch02.check_forward, forward),
+        (ch02.check_jacobian, jacobian),
+        (ch02.check_dgamma, affine_grads),
+        (ch02.check_backward, backward),
+    ],
+)
 def test_right_answers_pass(checker, fn, capsys):
     result = checker(fn)
     assert result.passed, result.message
@@ -86,7 +90,8 @@ def test_dgamma_that_sums_only_the_first_axis_fails_on_three_dimensions():
 
     result = ch02.check_dgamma(first_axis_only)
     assert [f.description for f in result.failures] == [
-        "three dimensions (2, 3, 4): sum over both leading axes"]
+        "three dimensions (2, 3, 4): sum over both leading axes"
+    ]
     assert "shape" in result.failures[0].reason
 
 
@@ -112,15 +117,18 @@ def test_naive_failure_accepts_a_large_mean():
     assert ch02.check_naive_failure(row).passed
 
 
-@pytest.mark.parametrize("row, words", [
-    (None, "expected a NumPy array"),
-    (np.array([1e4, 1e4 + 1]), "dtype float64"),
-    (np.array([1.0, 2.0, 3.0], dtype=np.float32), "must be off by at least"),
-    (np.full(4, 7.0, dtype=np.float32), "constant"),
-    (np.array([1e20, 2e20], dtype=np.float32), "overflow"),
-    (np.array([[1e4, 1e4 + 1]], dtype=np.float32), "1-d row"),
-    (np.array([1.0, np.nan], dtype=np.float32), "NaN"),
-])
+@pytest.mark.parametrize(
+    "row, words",
+    [
+        (None, "expected a NumPy array"),
+        (np.array([1e4, 1e4 + 1]), "dtype float64"),
+        (np.array([1.0, 2.0, 3.0], dtype=np.float32), "must be off by at least"),
+        (np.full(4, 7.0, dtype=np.float32), "constant"),
+        (np.array([1e20, 2e20], dtype=np.float32), "overflow"),
+        (np.array([[1e4, 1e4 + 1]], dtype=np.float32), "1-d row"),
+        (np.array([1.0, np.nan], dtype=np.float32), "NaN"),
+    ],
+)
 def test_naive_failure_explains_what_is_wrong(row, words, capsys):
     result = ch02.check_naive_failure(row)
     assert not result.passed

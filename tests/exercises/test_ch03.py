@@ -58,8 +58,9 @@ def selectable(keys):
         if others.size == 0:
             continue
         a_ub = np.hstack([-(keys[i] - others), np.ones((n - 1, 1))])
-        res = linprog([0, 0, -1], A_ub=a_ub, b_ub=np.zeros(n - 1),
-                      bounds=[(-1, 1), (-1, 1), (None, 1)])
+        res = linprog(
+            [0, 0, -1], A_ub=a_ub, b_ub=np.zeros(n - 1), bounds=[(-1, 1), (-1, 1), (None, 1)]
+        )
         mask[i] = -res.fun > 1e-9
     return mask
 
@@ -81,14 +82,17 @@ def test_invariant_shift_accepts_a_multiple_of_the_centred_x():
     assert ch03.check_invariant_shift(0.5 * (x - x.mean()) + 3.0).passed
 
 
-@pytest.mark.parametrize("b, words", [
-    (None, "expected a NumPy array"),
-    (np.ones(3), "shape (4,)"),
-    (np.full(4, 2.0), "constant"),
-    (np.array([1.0, 0.0, 0.0, 0.0]), "differs from LN(x)"),
-    (-2 * ch03.SHIFT_EXAMPLE, "negative multiple"),
-    (np.array([np.nan, 0, 0, 0]), "NaN"),
-])
+@pytest.mark.parametrize(
+    "b, words",
+    [
+        (None, "expected a NumPy array"),
+        (np.ones(3), "shape (4,)"),
+        (np.full(4, 2.0), "constant"),
+        (np.array([1.0, 0.0, 0.0, 0.0]), "differs from LN(x)"),
+        (-2 * ch03.SHIFT_EXAMPLE, "negative multiple"),
+        (np.array([np.nan, 0, 0, 0]), "NaN"),
+    ],
+)
 def test_invariant_shift_explains_what_is_wrong(b, words):
     result = ch03.check_invariant_shift(b)
     assert not result.passed and words in result.message
@@ -133,7 +137,7 @@ def test_split_row_sum_is_exact_ieee_and_depends_on_the_batch_size():
     rng = np.random.default_rng(0)
     x = (1 + rng.standard_normal((64, 1024))).astype(np.float32)
     large = ch03.split_row_sum(x)
-    small = np.concatenate([ch03.split_row_sum(x[i:i + 8]) for i in range(0, 64, 8)])
+    small = np.concatenate([ch03.split_row_sum(x[i : i + 8]) for i in range(0, 64, 8)])
     np.testing.assert_array_equal(large, fixed_order_sum(x))
     parts = np.stack([fixed_order_sum(c) for c in np.split(x, 4, axis=1)], axis=1)
     np.testing.assert_array_equal(small, fixed_order_sum(parts))

@@ -39,18 +39,25 @@ def dyt_backward(dy, x, alpha, weight):
     t = np.tanh(alpha * x)
     g = dy * weight
     rows = tuple(range(x.ndim - 1))
-    return (g * alpha * (1 - t * t), np.sum(g * x * (1 - t * t)),
-            (dy * t).sum(axis=rows), dy.sum(axis=rows))
+    return (
+        g * alpha * (1 - t * t),
+        np.sum(g * x * (1 - t * t)),
+        (dy * t).sum(axis=rows),
+        dy.sum(axis=rows),
+    )
 
 
-@pytest.mark.parametrize("checker, fn", [
-    (ch04.check_rms_norm, rms_norm),
-    (ch04.check_rms_norm_backward, rms_norm_backward),
-    (ch04.check_partial_rms_norm, partial_rms_norm),
-    (ch04.check_scale_norm, scale_norm),
-    (ch04.check_group_norm, group_norm),
-    (ch04.check_dynamic_tanh_backward, dyt_backward),
-])
+@pytest.mark.parametrize(
+    "checker, fn",
+    [
+        (ch04.check_rms_norm, rms_norm),
+        (ch04.check_rms_norm_backward, rms_norm_backward),
+        (ch04.check_partial_rms_norm, partial_rms_norm),
+        (ch04.check_scale_norm, scale_norm),
+        (ch04.check_group_norm, group_norm),
+        (ch04.check_dynamic_tanh_backward, dyt_backward),
+    ],
+)
 def test_right_answers_pass(checker, fn, capsys):
     result = checker(fn)
     assert result.passed, result.message
@@ -83,7 +90,8 @@ def test_partial_rms_with_floor_instead_of_ceil_fails_on_d10():
 
     result = ch04.check_partial_rms_norm(floor)
     assert [f.description for f in result.failures] == [
-        "p = 0.25 on D = 10: ceil(2.5) = 3 features"]
+        "p = 0.25 on D = 10: ceil(2.5) = 3 features"
+    ]
 
 
 def test_scale_norm_with_eps_added_fails_on_the_short_row():

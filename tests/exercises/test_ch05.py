@@ -63,13 +63,13 @@ def lane_sum(x, lanes=16):
     full = n // lanes * lanes
     acc = np.zeros(x.shape[:-1] + (lanes,), x.dtype)
     for i in range(0, full, lanes):
-        acc += x[..., i:i + lanes]
+        acc += x[..., i : i + lanes]
     tail = np.zeros(x.shape[:-1], x.dtype)
     for i in range(full, n):
         tail += x[..., i]
     w = lanes // 2
     while w:
-        acc[..., :w] += acc[..., w:2 * w]
+        acc[..., :w] += acc[..., w : 2 * w]
         w //= 2
     return acc[..., 0] + tail
 
@@ -79,7 +79,7 @@ def lane_sum_lanes_added_in_order(x, lanes=16):
     full = n // lanes * lanes
     acc = np.zeros(x.shape[:-1] + (lanes,), x.dtype)
     for i in range(0, full, lanes):
-        acc += x[..., i:i + lanes]
+        acc += x[..., i : i + lanes]
     total = np.zeros(x.shape[:-1], x.dtype)
     for k in range(lanes):
         total += acc[..., k]
@@ -106,7 +106,11 @@ def test_mistakes_are_caught(capsys):
     assert not ch05.check_sharded_rms_rstd(sharded_rms_mean_of_means)
     assert not ch05.check_lane_sum(lambda x, lanes=16: x.sum(axis=-1))
     assert not ch05.check_lane_sum(lane_sum_lanes_added_in_order)
-    assert not ch05.check_lane_sum(lambda x, lanes=16: lane_sum(x.astype(np.float64)).astype(x.dtype))
+
+    def in_float64(x, lanes=16):
+        return lane_sum(x.astype(np.float64)).astype(x.dtype)
+
+    assert not ch05.check_lane_sum(in_float64)
     out = capsys.readouterr().out
     assert out.count("FAIL") == 8
     assert "a mean of 1e8" in out

@@ -108,8 +108,7 @@ def test_gate_left_out_fails_and_zero_init_is_identity():
 
 
 def test_bootstrapping_through_terminal_states_fails():
-    result = ch06.check_td_targets(
-        lambda r, q, d, gamma: r + gamma * q.max(axis=1))
+    result = ch06.check_td_targets(lambda r, q, d, gamma: r + gamma * q.max(axis=1))
     assert [f.index for f in result.failures] == [2]
 
 

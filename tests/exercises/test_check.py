@@ -59,25 +59,41 @@ def test_wrong_values_are_caught_with_index_and_values(cases, capsys):
 
 def test_expected_and_got_values_are_the_real_ones():
     x = np.array([[1.0, 2.0, 3.0]])
-    result = check(lambda x: x * 2 + np.array([0, 0, 1.0]), lambda x: x * 2,
-                   [Case("three numbers", (x,))], verbose=False)
+    result = check(
+        lambda x: x * 2 + np.array([0, 0, 1.0]),
+        lambda x: x * 2,
+        [Case("three numbers", (x,))],
+        verbose=False,
+    )
     reason = result.failures[0].reason
     assert "1 of 3 entries" in reason
     assert "at index (0, 2): expected 6, got 7" in reason
 
 
 def test_wrong_shape_and_dtype_are_caught(cases):
-    wrong_shape = check(lambda x, eps=1e-5: ref_standardize(x, eps).ravel(), ref_standardize,
-                        cases, verbose=False)
+    wrong_shape = check(
+        lambda x, eps=1e-5: ref_standardize(x, eps).ravel(), ref_standardize, cases, verbose=False
+    )
     assert len(wrong_shape.failures) == 4
     assert "has shape (32,), expected (4, 8)" in wrong_shape.failures[0].reason
 
-    wrong_dtype = check(lambda x, eps=1e-5: ref_standardize(x.astype(np.float64), eps),
-                        ref_standardize, cases, verbose=False)
+    wrong_dtype = check(
+        lambda x, eps=1e-5: ref_standardize(x.astype(np.float64), eps),
+        ref_standardize,
+        cases,
+        verbose=False,
+    )
     assert [f.index for f in wrong_dtype.failures] == [3]
     assert "dtype float64, expected float32" in wrong_dtype.failures[0].reason
-    assert check(lambda x, eps=1e-5: ref_standardize(x.astype(np.float64), eps),
-                 ref_standardize, cases, check_dtype=False, rtol=1e-3, atol=1e-4, verbose=False)
+    assert check(
+        lambda x, eps=1e-5: ref_standardize(x.astype(np.float64), eps),
+        ref_standardize,
+        cases,
+        check_dtype=False,
+        rtol=1e-3,
+        atol=1e-4,
+        verbose=False,
+    )
 
 
 def test_tuple_outputs_are_compared_item_by_item():
@@ -173,8 +189,7 @@ def test_per_case_tolerance_and_scalars():
 def test_torch_outputs_are_accepted():
     torch = pytest.importorskip("torch")
     x = np.linspace(-1, 1, 6).reshape(2, 3)
-    ok = check(lambda x: torch.from_numpy(x) * 2, lambda x: x * 2, [Case("t", (x,))],
-               verbose=False)
+    ok = check(lambda x: torch.from_numpy(x) * 2, lambda x: x * 2, [Case("t", (x,))], verbose=False)
     assert ok
 
 

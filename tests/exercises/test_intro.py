@@ -26,9 +26,13 @@ def test_naive_variance_fails_on_float32_with_large_mean():
 
 def test_unbiased_variance_and_eps_outside_fail():
     assert not intro.check_standardize(
-        lambda x, eps=1e-5: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, ddof=1, keepdims=True) + eps))
+        lambda x, eps=1e-5: (
+            (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, ddof=1, keepdims=True) + eps)
+        )
+    )
     outside = intro.check_standardize(
-        lambda x, eps=1e-5: (x - x.mean(-1, keepdims=True)) / (x.std(-1, keepdims=True) + eps))
+        lambda x, eps=1e-5: (x - x.mean(-1, keepdims=True)) / (x.std(-1, keepdims=True) + eps)
+    )
     assert not outside
 
 
