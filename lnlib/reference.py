@@ -456,14 +456,14 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     """
     n, c, g = x.shape[0], x.shape[1], num_groups
     xa = x.astype(accumulation_dtype(x.dtype)).reshape(n, g, -1)  # (N, G, D)
-    mean = xa.mean(axis=2)
-    xc = xa - mean[:, :, None]
-    rstd = 1 / ((xc * xc).mean(axis=2) + eps) ** 0.5  # biased variance, two passes
-    y = (xc * rstd[:, :, None]).reshape(n, c, -1)  # (N, C, L)
+    mean = xa.mean(axis=2)  # (N, G)
+    xc = xa - mean[:, :, None]  # (N, G, D)
+    rstd = 1 / ((xc * xc).mean(axis=2) + eps) ** 0.5  # (N, G): biased variance, two passes
+    y = (xc * rstd[:, :, None]).reshape(n, c, -1)  # (N, C, L), L spatial positions
     if weight is not None:
-        y = y * weight.astype(xa.dtype)[:, None]
+        y = y * weight.astype(xa.dtype)[:, None]  # (N, C, L)
     if bias is not None:
-        y = y + bias.astype(xa.dtype)[:, None]
+        y = y + bias.astype(xa.dtype)[:, None]  # (N, C, L)
     return y.reshape(x.shape).astype(x.dtype), mean, rstd
 
 
@@ -500,14 +500,12 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     mean, rstd = mean.astype(acc)[:, :, None], rstd.astype(acc)[:, :, None]
     xhat = (x.astype(acc).reshape(n, g, -1) - mean) * rstd  # (N, G, D)
     dya = dy.astype(acc).reshape(n, c, -1)  # (N, C, L)
-    gs = dya if weight is None else dya * weight.astype(acc)[:, None]
-    gs = gs.reshape(n, g, -1)
-    dx = rstd * (
-        gs - gs.mean(axis=2, keepdims=True) - xhat * (gs * xhat).mean(axis=2, keepdims=True)
-    )
+    gs = dya if weight is None else dya * weight.astype(acc)[:, None]  # (N, C, L)
+    gs = gs.reshape(n, g, -1)  # (N, G, D)
+    dx = layer_norm_dx(gs, xhat, rstd, axes=(2,))  # (N, G, D)
     pdtype = x.dtype if weight is None else weight.dtype
-    dweight = (dya * xhat.reshape(n, c, -1)).sum(axis=(0, 2)).astype(pdtype)
-    dbias = dya.sum(axis=(0, 2)).astype(pdtype)
+    dweight = (dya * xhat.reshape(n, c, -1)).sum(axis=(0, 2)).astype(pdtype)  # (C,)
+    dbias = dya.sum(axis=(0, 2)).astype(pdtype)  # (C,)
     return dx.reshape(x.shape).astype(x.dtype), dweight, dbias
 
 
@@ -535,11 +533,11 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     """
     xp = get_array_module(x=x)
     acc = accumulation_dtype(x.dtype)
-    y = xp.tanh(x.astype(acc) * acc.type(float(alpha)))
+    y = xp.tanh(x.astype(acc) * acc.type(float(alpha)))  # (..., D)
     if weight is not None:
-        y = y * weight.astype(acc)
+        y = y * weight.astype(acc)  # (..., D)
     if bias is not None:
-        y = y + bias.astype(acc)
+        y = y + bias.astype(acc)  # (..., D)
     return y.astype(x.dtype)
 
 
@@ -578,16 +576,14 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     """
     xp = get_array_module(x=x)
     acc = accumulation_dtype(x.dtype)
-    xa, dya = x.astype(acc), dy.astype(acc)
-    t = xp.tanh(xa * acc.type(float(alpha)))
-    g = dya if weight is None else dya * weight.astype(acc)
+    xa, dya = x.astype(acc), dy.astype(acc)  # (..., D)
+    t = xp.tanh(xa * acc.type(float(alpha)))  # (..., D)
+    g = dya if weight is None else dya * weight.astype(acc)  # (..., D)
     rows = tuple(range(x.ndim - 1))
     pdtype = x.dtype if weight is None else weight.dtype
     adtype = alpha.dtype if isinstance(alpha, xp.ndarray) else x.dtype
-    dalpha = xp.asarray((g * xa * (1 - t * t)).sum(), dtype=adtype)
-    return (
-        (float(alpha) * g * (1 - t * t)).astype(x.dtype),
-        dalpha,
-        (dya * t).sum(axis=rows).astype(pdtype),
-        dya.sum(axis=rows).astype(pdtype),
-    )
+    dalpha = xp.asarray((g * xa * (1 - t * t)).sum(), dtype=adtype)  # ()
+    dx = (float(alpha) * g * (1 - t * t)).astype(x.dtype)  # (..., D)
+    dweight = (dya * t).sum(axis=rows).astype(pdtype)  # (D,)
+    dbias = dya.sum(axis=rows).astype(pdtype)  # (D,)
+    return dx, dalpha, dweight, dbias
