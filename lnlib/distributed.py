@@ -17,7 +17,7 @@ the parallel merge of Chan, Golub and LeVeque (1983),
     m = m_a + \delta\,\frac{n_b}{n},\qquad
     M_2 = M_{2,a} + M_{2,b} + \delta^2\,\frac{n_a n_b}{n},
 
-applied in rank order, so the row variance is ``M2 / H``. Nothing like
+applied in rank order, so the row variance is ``M2 / D``. Nothing like
 ``E[x^2] - E[x]^2`` is formed, so the merge is as accurate as a two-pass
 variance over the whole row.
 
@@ -32,7 +32,7 @@ every row, so they are gathered once per call, not per row.
 
 Bytes per row. Each rank contributes two numbers per row (8 bytes each in
 float64, 4 in float32) however wide the row is; gathering whole rows
-instead would move ``H / P`` values per rank and row. The backward needs two
+instead would move ``D / P`` values per rank and row. The backward needs two
 more row sums per rank, ``sum(g)`` and ``sum(g * xhat)`` with
 ``g = dy * weight``.
 
@@ -75,13 +75,13 @@ def partial_moments(x):
 
     Parameters
     ----------
-    x : ndarray, shape (N, h), floating
-        One shard of the rows (``h`` of the ``H`` columns).
+    x : ndarray, shape (N, D_k), floating
+        One shard of the rows (``D_k`` of the ``D`` columns).
 
     Returns
     -------
     count : int
-        ``h``.
+        ``D_k``.
     mean : ndarray, shape (N,)
         Row means of the shard, in float64 for float64 input, else float32.
     m2 : ndarray, shape (N,)
@@ -92,9 +92,9 @@ def partial_moments(x):
     Covered in :ref:`sec-ch05-sharded`.
     """
     acc = accumulation_dtype(x.dtype)
-    xa = np.asarray(x, dtype=acc)  # (N, h)
+    xa = np.asarray(x, dtype=acc)  # (N, D_k)
     mean = xa.mean(axis=-1)  # (N,)
-    xc = xa - mean[:, None]  # (N, h)
+    xc = xa - mean[:, None]  # (N, D_k)
     m2 = np.einsum("ij,ij->i", xc, xc)  # (N,)
     return x.shape[-1], mean, m2
 
@@ -137,7 +137,7 @@ def merge_moments(counts, means, m2s):
 
     Notes
     -----
-    T. F. Chan, G. H. Golub and R. J. LeVeque, "Algorithms for computing the sample
+    T. F. Chan, G. D@@ Golub and R. J. LeVeque, "Algorithms for computing the sample
     variance: analysis and recommendations", The American Statistician 37(3), 1983.
     Covered in :ref:`sec-ch05-numerics` and :ref:`sec-ch05-sharded`.
     """
@@ -163,15 +163,15 @@ def merge_moments(counts, means, m2s):
     return n, mean, m2
 
 
-def shard_bounds(H, world_size, rank):
+def shard_bounds(D, world_size, rank):
     """Columns ``[start, stop)`` of one rank when a row's columns are split across ranks.
 
-    The split is as even as possible (the first ``H % world_size`` ranks get one extra
+    The split is as even as possible (the first ``D % world_size`` ranks get one extra
     column), like ``np.array_split``.
 
     Parameters
     ----------
-    H : int
+    D : int
         D, the number of columns (features) of a whole row.
     world_size : int
         Number of ranks P.
@@ -187,7 +187,7 @@ def shard_bounds(H, world_size, rank):
     -----
     Covered in :ref:`sec-ch05-sharded`.
     """
-    base, extra = divmod(H, world_size)
+    base, extra = divmod(D, world_size)
     start = rank * base + min(rank, extra)
     stop = start + base + (1 if rank < extra else 0)
     return start, stop
@@ -221,7 +221,7 @@ def _agree(x, group, what, dy=None):
     names = {16: "float16", 32: "float32", 64: "float64", 0: "another dtype"}
     if any(t[0] != 2 for t in table):
         raise ValueError(
-            f"{what}: every rank must pass a 2-D (N, h) tensor; dimensions ({ranks(0)})"
+            f"{what}: every rank must pass a 2-D (N, D_k) tensor; dimensions ({ranks(0)})"
         )
     if not all(t[4] for t in table):
         raise ValueError(
@@ -285,10 +285,10 @@ def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=Non
     _, mean_r, m2_r = partial_moments(xn)
     local = torch.from_numpy(np.stack([mean_r, m2_r], axis=1))  # (N, 2)
     parts = [p.numpy() for p in _gather_rows(local, group)]
-    H, mean, m2 = merge_moments(counts, [p[:, 0] for p in parts], [p[:, 1] for p in parts])
-    rstd = 1.0 / np.sqrt(m2 / H + eps)  # (N,)
+    D, mean, m2 = merge_moments(counts, [p[:, 0] for p in parts], [p[:, 1] for p in parts])
+    rstd = 1.0 / np.sqrt(m2 / D + eps)  # (N,)
     acc = mean.dtype
-    y = (xn.astype(acc, copy=False) - mean[:, None]) * rstd[:, None]  # (N, h)
+    y = (xn.astype(acc, copy=False) - mean[:, None]) * rstd[:, None]  # (N, D_k)
     if weight is not None:
         y = y * weight.detach().cpu().numpy().astype(acc, copy=False)
     if bias is not None:
@@ -329,23 +329,23 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
     """
     import torch
 
-    H = sum(_agree(x, group, "x", dy=dy))
+    D = sum(_agree(x, group, "x", dy=dy))
     xn = x.detach().cpu().numpy()
     acc = accumulation_dtype(xn.dtype)
-    dyn = dy.detach().cpu().numpy().astype(acc, copy=False)  # (N, h)
+    dyn = dy.detach().cpu().numpy().astype(acc, copy=False)  # (N, D_k)
     meann = mean.detach().cpu().numpy().astype(acc, copy=False)  # (N,)
     rstdn = rstd.detach().cpu().numpy().astype(acc, copy=False)  # (N,)
-    xhat = (xn.astype(acc, copy=False) - meann[:, None]) * rstdn[:, None]  # (N, h)
-    g = dyn if weight is None else dyn * weight.detach().cpu().numpy().astype(acc)  # (N, h)
+    xhat = (xn.astype(acc, copy=False) - meann[:, None]) * rstdn[:, None]  # (N, D_k)
+    g = dyn if weight is None else dyn * weight.detach().cpu().numpy().astype(acc)  # (N, D_k)
     local = torch.from_numpy(np.stack([g.sum(axis=1), np.einsum("ij,ij->i", g, xhat)], axis=1))
     parts = _gather_rows(local, group)
     total = parts[0].numpy().copy()  # (N, 2)
     for p in parts[1:]:
         total += p.numpy()
-    means = (total[:, 0:1] / H, total[:, 1:2] / H)  # (N, 1) each, over the whole rows
-    dx = layer_norm_dx(g, xhat, rstdn[:, None], means=means)  # (N, h)
-    dweight = np.einsum("ij,ij->j", dyn, xhat)  # (h,)
-    dbias = dyn.sum(axis=0)  # (h,)
+    means = (total[:, 0:1] / D, total[:, 1:2] / D)  # (N, 1) each, over the whole rows
+    dx = layer_norm_dx(g, xhat, rstdn[:, None], means=means)  # (N, D_k)
+    dweight = np.einsum("ij,ij->j", dyn, xhat)  # (D_k,)
+    dbias = dyn.sum(axis=0)  # (D_k,)
     dt = xn.dtype
     return (
         torch.from_numpy(dx.astype(dt, copy=False)),
@@ -477,7 +477,7 @@ def _mismatch_worker(rank, world_size, port, outdir, timeout_s):
         dist.destroy_process_group()
 
 
-def _worker(rank, world_size, port, N, H, seed, outdir, timeout_s):
+def _worker(rank, world_size, port, N, D, seed, outdir, timeout_s):
     import os
 
     import torch
@@ -485,8 +485,8 @@ def _worker(rank, world_size, port, N, H, seed, outdir, timeout_s):
 
     _init_group(rank, world_size, port, timeout_s)
     try:
-        x, weight, bias, dy = _problem(N, H, seed)
-        lo, hi = shard_bounds(H, world_size, rank)
+        x, weight, bias, dy = _problem(N, D, seed)
+        lo, hi = shard_bounds(D, world_size, rank)
         t = torch.from_numpy
         y, mean, rstd = sharded_layer_norm_forward(
             t(x[:, lo:hi]), t(weight[lo:hi]), t(bias[lo:hi]), eps=1e-5
@@ -517,13 +517,13 @@ def _worker(rank, world_size, port, N, H, seed, outdir, timeout_s):
         dist.destroy_process_group()
 
 
-def _problem(N, H, seed):
+def _problem(N, D, seed):
     """The full inputs every rank builds identically (float64)."""
     rng = np.random.default_rng(seed)
-    x = rng.normal(3.0, 2.0, size=(N, H))  # (N, H), a mean far from zero on purpose
-    weight = rng.normal(1.0, 0.3, size=H)  # (H,)
-    bias = rng.normal(0.0, 0.3, size=H)  # (H,)
-    dy = rng.normal(size=(N, H))  # (N, H)
+    x = rng.normal(3.0, 2.0, size=(N, D))  # (N, D), a mean far from zero on purpose
+    weight = rng.normal(1.0, 0.3, size=D)  # (D,)
+    bias = rng.normal(0.0, 0.3, size=D)  # (D,)
+    dy = rng.normal(size=(N, D))  # (N, D)
     return x, weight, bias, dy
 
 
@@ -562,7 +562,7 @@ def _spawn(worker, args, world_size, timeout_s):
                 p.join()
 
 
-def run_sharded(world_size, N, H, seed, outdir, timeout_s=30.0):
+def run_sharded(world_size, N, D, seed, outdir, timeout_s=30.0):
     """Spawn ``world_size`` gloo processes that each run a shard; return their results.
 
     The processes are joined with a deadline and terminated if it passes, so no
@@ -570,7 +570,7 @@ def run_sharded(world_size, N, H, seed, outdir, timeout_s=30.0):
     """
     import os
 
-    _spawn(_worker, (N, H, seed, str(outdir), timeout_s), world_size, timeout_s)
+    _spawn(_worker, (N, D, seed, str(outdir), timeout_s), world_size, timeout_s)
     out = []
     for r in range(world_size):
         with np.load(os.path.join(str(outdir), f"rank{r}.npz")) as f:

@@ -25,7 +25,7 @@ dist = pytest.importorskip("torch.distributed")
 @pytest.mark.parametrize("splits", [[10], [5, 5], [1, 9], [3, 3, 2, 2], [1, 1, 1, 7]])
 def test_merge_moments_matches_two_pass(splits):
     rng = np.random.default_rng(1)
-    x = rng.normal(1000.0, 1.0, size=(6, sum(splits)))  # (6, H): large mean, small spread
+    x = rng.normal(1000.0, 1.0, size=(6, sum(splits)))  # (6, D): large mean, small spread
     pieces = np.split(x, np.cumsum(splits)[:-1], axis=1)
     moments = [partial_moments(p) for p in pieces]
     n, mean, m2 = merge_moments(*zip(*moments))
@@ -54,28 +54,28 @@ def test_merge_moments_bad_input():
 
 
 def test_shard_bounds_cover_the_row():
-    for H, P in [(10, 4), (8, 2), (7, 3), (3, 3)]:
-        bounds = [shard_bounds(H, P, r) for r in range(P)]
-        assert bounds[0][0] == 0 and bounds[-1][1] == H
+    for D, P in [(10, 4), (8, 2), (7, 3), (3, 3)]:
+        bounds = [shard_bounds(D, P, r) for r in range(P)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == D
         assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
         widths = [b - a for a, b in bounds]
-        assert widths == [len(s) for s in np.array_split(np.arange(H), P)]
+        assert widths == [len(s) for s in np.array_split(np.arange(D), P)]
 
 
 # ---- real processes on gloo -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("world_size, H", [(2, 12), (4, 10)])
-def test_sharded_equals_single_process(world_size, H, tmp_path):
+@pytest.mark.parametrize("world_size, D", [(2, 12), (4, 10)])
+def test_sharded_equals_single_process(world_size, D, tmp_path):
     N, seed = 7, world_size
     before = set(multiprocessing.active_children())
     start = time.monotonic()
-    results = run_sharded(world_size, N, H, seed, tmp_path, timeout_s=60.0)
+    results = run_sharded(world_size, N, D, seed, tmp_path, timeout_s=60.0)
     elapsed = time.monotonic() - start
     assert set(multiprocessing.active_children()) <= before, "a worker outlived the test"
     assert elapsed < 60.0
 
-    x, weight, bias, dy = _problem(N, H, seed)
+    x, weight, bias, dy = _problem(N, D, seed)
     y, mean, rstd = reference.layer_norm_forward(x, weight, bias, eps=1e-5)
     dx, dweight, dbias = reference.layer_norm_backward(dy, x, mean, rstd, weight)
 
@@ -110,4 +110,6 @@ def test_mismatched_ranks_raise_clear_errors_on_every_rank(tmp_path):
         for call in ("forward", "backward"):
             assert "different numbers of rows (rank 0: 4, rank 1: 5)" in errors[f"rows-{call}"]
             assert "different dtypes (rank 0: float64, rank 1: float32)" in errors[f"dtype-{call}"]
-            assert "2-D (N, h) tensor; dimensions (rank 0: 2, rank 1: 1)" in errors[f"ndim-{call}"]
+            assert (
+                "2-D (N, D_k) tensor; dimensions (rank 0: 2, rank 1: 1)" in errors[f"ndim-{call}"]
+            )
