@@ -1,14 +1,17 @@
 r"""LayerNorm with the hidden dimension sharded across processes.
 
-In tensor parallelism the last axis of the activations is split across ``P``
-processes: rank ``r`` holds ``x[:, cols_r]`` and the matching slices of
-``weight`` and ``bias``, and no process sees a whole row. LayerNorm needs two
-row statistics, so the ranks exchange *summaries* of their pieces instead of
-the pieces themselves.
+In Megatron-style tensor parallelism the input of a LayerNorm is replicated on
+every rank (or, with sequence parallelism, split along the sequence), so each
+rank holds whole rows and needs no communication. The hidden axis of a row is
+split only where activations stay sharded by features between layers (rows too
+long for one device, say): rank ``k`` then holds ``x[:, cols_k]`` and the
+matching slices of ``weight`` and ``bias``, and no process sees a whole row.
+LayerNorm needs two row statistics, so the ranks exchange *summaries* of their
+pieces instead of the pieces themselves.
 
-Forward. Each rank computes, per row, the count ``n_r`` of its columns, the
-mean ``m_r`` of its piece and the sum of squared deviations from that mean,
-``M2_r`` (two passes over its piece). The summaries are combined exactly with
+Forward. Each rank computes, per row, the count ``n_k`` of its columns, the
+mean ``m_k`` of its piece and the sum of squared deviations from that mean,
+``M2_k`` (two passes over its piece). The summaries are combined exactly with
 the parallel merge of Chan, Golub and LeVeque (1983),
 
 .. math::
@@ -21,7 +24,7 @@ applied in rank order, so the row variance is ``M2 / D``. Nothing like
 ``E[x^2] - E[x]^2`` is formed, so the merge is as accurate as a two-pass
 variance over the whole row.
 
-We gather every rank's ``(m_r, M2_r)`` with one ``all_gather`` and let every
+We gather every rank's ``(m_k, M2_k)`` with one ``all_gather`` and let every
 rank merge them in the same fixed order, rather than ``all_reduce`` the sums:
 the merge is then the same arithmetic on the same numbers on every rank, so all
 ranks hold bit-identical ``mean`` and ``rstd``, independent of how the backend
