@@ -252,12 +252,40 @@ def select(op, xp, dtype):
     ValueError
         ``LNLIB_CPU_KERNEL`` has a value that is neither on nor off.
     """
-    xp_name = "numpy" if xp is np else "cupy"
-    dtype = np.dtype(dtype)
+    dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
     name = _forced.get()
+    if xp is not np:
+        return _uncached(op, "cupy", dtype, name)
+    key = (op, dtype, name, os.environ.get("LNLIB_CPU_KERNEL"), _kernel_state())
+    fn = _SELECTED.get(key)
+    if fn is None:
+        fn = _uncached(op, "numpy", dtype, name)
+        if key[-1] is not _UNLOADED:  # the choice may depend on the kernel's first load
+            if len(_SELECTED) > 256:
+                _SELECTED.clear()
+            _SELECTED[key] = fn
+    return fn
+
+
+def _uncached(op, xp_name, dtype, name):
     if name == "auto":
         return _auto(op, xp_name, dtype)
     return _forced_function(name, op, xp_name, dtype)
+
+
+#: Row functions chosen for NumPy arrays, by (op, dtype, implementation in force,
+#: LNLIB_CPU_KERNEL, the loaded kernel module): everything the choice depends on, so that a
+#: cached choice is the one :func:`select` would make again. Failures are never cached.
+_SELECTED = {}
+_UNLOADED = object()
+
+
+def _kernel_state():
+    """The loaded kernel extension (None where it failed), or _UNLOADED before the first try."""
+    kernels = sys.modules.get("lnlib._cpu.kernels")
+    if kernels is None or not kernels._state["loaded"]:
+        return _UNLOADED
+    return kernels._state["module"]
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ Every row is computed by the same sequence of NumPy calls on a contiguous row, w
 chunk it falls in, so a row's result is bitwise independent of the rest of the batch.
 """
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -78,8 +79,10 @@ def run_chunks(m, n, chunk_fn, *, block_rows=None, threads=None, itemsize=4):
     deterministic.
     """
     block_rows = default_block_rows(n, itemsize) if block_rows is None else int(block_rows)
+    if m * n < PARALLEL_MIN_ELEMENTS:  # before asking the system for the cores (a system call)
+        return [chunk_fn(0, m, block_rows)]
     threads = cpu_threads() if threads is None else int(threads)
-    if m * n < PARALLEL_MIN_ELEMENTS or threads <= 1 or m < 2 * block_rows:
+    if threads <= 1 or m < 2 * block_rows:
         return [chunk_fn(0, m, block_rows)]
     nblocks = -(-m // block_rows)
     per = -(-nblocks // threads) * block_rows
@@ -128,7 +131,7 @@ def add_in_order(groups, n):
 
 def as_rows(x, k):
     """View (or, if the layout requires, copy) ``x`` as a matrix: one row per normalized slice."""
-    n = int(np.prod(x.shape[x.ndim - k :]))
+    n = math.prod(x.shape[x.ndim - k :])  # a Python int; numpy.prod takes microseconds
     return x.reshape(-1, n)
 
 

@@ -273,18 +273,25 @@ def _vector(param, n, dtype, fill):
     return _FILLED[key]
 
 
-def _column_blocks(m, n):
-    """Zeroed float64 column sums, one row per block of ``NORMS_BLOCK_ROWS`` rows."""
+def _column_blocks(m, n, k=1):
+    """Zeroed float64 column sums of ``k`` gradients (k, blocks, D): one row per block of
+    ``NORMS_BLOCK_ROWS`` rows, in one allocation."""
     blocks = -(-m // _state["module"].lib.NORMS_BLOCK_ROWS)
-    return np.zeros((blocks, n), dtype=np.float64)
+    return np.zeros((k, blocks, n), dtype=np.float64)
 
 
-def _column_total(blocks, dtype):
-    """The blocks' column sums added pairwise in a fixed order, as a (D,) vector of ``dtype``."""
-    if blocks.shape[0] == 0:
-        return np.zeros(blocks.shape[1], dtype=dtype)
-    _state["module"].lib.sum_blocks_pairwise(_pointer(blocks, True), *blocks.shape)
-    return blocks[0].astype(dtype)
+def _column_totals(blocks, p_blocks, dtype):
+    """Each gradient's block column sums added pairwise in a fixed order: (k, D) of ``dtype``.
+
+    ``p_blocks`` is the writable pointer to ``blocks`` (k, nblocks, D); one block needs no sum.
+    """
+    k, nblocks, n = blocks.shape
+    if nblocks == 0:
+        return np.zeros((k, n), dtype=dtype)
+    if nblocks > 1:
+        for i in range(k):
+            _state["module"].lib.sum_blocks_pairwise(p_blocks + i * nblocks * n, nblocks, n)
+    return blocks[:, 0].astype(dtype)
 
 
 def _block_of(start):
@@ -319,10 +326,11 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
     fn = _c_function("layer_norm_forward", x.dtype)
     x = _rows(x, x.dtype)
     weight, bias = _vector(weight, n, x.dtype, 1), _vector(bias, n, x.dtype, 0)
-    y = np.empty((m, n), dtype=x.dtype)  # (M, D)
-    mean, rstd = np.empty(m, dtype=x.dtype), np.empty(m, dtype=x.dtype)  # (M,)
+    y, stats = np.empty((m, n), dtype=x.dtype), np.empty((2, m), dtype=x.dtype)  # (M, D)
+    mean, rstd = stats  # (M,) each, in one allocation
     p_x, p_w, p_b = _pointer(x), _pointer(weight), _pointer(bias)
-    p_y, p_mean, p_rstd = (_pointer(a, writable=True) for a in (y, mean, rstd))
+    p_y, p_mean = _pointer(y, writable=True), _pointer(stats, writable=True)
+    p_rstd = p_mean + m
     ld = _ld(x)
 
     def chunk(start, stop, _block_rows):
@@ -369,9 +377,10 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
     mean, rstd = (np.ascontiguousarray(a, dtype=x.dtype) for a in (mean, rstd))  # (M,)
     weight = _vector(weight, n, x.dtype, 1)
     dx = np.empty((m, n), dtype=x.dtype)  # (M, D)
-    dweight, dbias = _column_blocks(m, n), _column_blocks(m, n)  # (blocks, D) float64
+    blocks = _column_blocks(m, n, 2)  # (2, blocks, D) float64: dweight's, then dbias's
     p_dy, p_x, p_mean, p_rstd, p_w = (_pointer(a) for a in (dy, x, mean, rstd, weight))
-    p_dx, p_dw, p_db = (_pointer(a, writable=True) for a in (dx, dweight, dbias))
+    p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)
+    p_db = p_dw + blocks.shape[1] * n
     ld_dy, ld_x = _ld(dy), _ld(x)
 
     def chunk(start, stop, _block_rows):
@@ -392,7 +401,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
         )
 
     run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
-    return dx, _column_total(dweight, x.dtype), _column_total(dbias, x.dtype)
+    dweight, dbias = _column_totals(blocks, p_dw, x.dtype)
+    return dx, dweight, dbias
 
 
 def rms_norm_forward_rows(x, weight, eps, *, threads=None):
@@ -453,9 +463,9 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None):
     rstd = np.ascontiguousarray(rstd, dtype=x.dtype)  # (M,)
     weight = _vector(weight, n, x.dtype, 1)
     dx = np.empty((m, n), dtype=x.dtype)  # (M, D)
-    dweight = _column_blocks(m, n)  # (blocks, D) float64
+    blocks = _column_blocks(m, n)  # (1, blocks, D) float64
     p_dy, p_x, p_rstd, p_w = (_pointer(a) for a in (dy, x, rstd, weight))
-    p_dx, p_dw = _pointer(dx, writable=True), _pointer(dweight, writable=True)
+    p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)
     ld_dy, ld_x = _ld(dy), _ld(x)
 
     def chunk(start, stop, _block_rows):
@@ -474,4 +484,4 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None):
         )
 
     run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
-    return dx, _column_total(dweight, x.dtype)
+    return dx, _column_totals(blocks, p_dw, x.dtype)[0]
