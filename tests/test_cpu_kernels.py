@@ -198,6 +198,9 @@ def test_passes_cover_every_kernel_in_the_header():
 # --- Every vector width gives the same bits -------------------------------------------------
 
 _WIDTHS = {"baseline": [], "avx2": ["-mavx2"], "avx512f": ["-mavx512f"]}
+#: The baseline built without the compiler's vector extension (the plain loops other compilers
+#: get): must give the same bits as the vector code.
+_PLAIN = {"plain_loops": ["-DNORMS_NO_VECTORS"]}
 
 
 def _cpu_flags():
@@ -280,17 +283,19 @@ def _run_variant(ffi, lib, x, w, b, dy):
 
 
 def test_every_vector_width_gives_the_same_bits(kernel, tmp_path):
-    """The baseline build, the AVX2 and AVX-512 builds (where this CPU runs them) and the
-    installed multi-version module agree bit for bit."""
+    """The baseline build, the AVX2 and AVX-512 builds (where this CPU runs them), the
+    baseline without vector extensions and the installed multi-version module agree bit for
+    bit."""
     flags = _cpu_flags()
     widths = {k: v for k, v in _WIDTHS.items() if k == "baseline" or k in flags}
     if len(widths) < 2:
         pytest.skip(f"this CPU runs only the baseline build (flags: {sorted(flags)[:5]}...)")
+    widths.update(_PLAIN)
     variants = {k: _build_variant(tmp_path, k, v) for k, v in widths.items()}
     variants["installed"] = (kernel._state["module"].ffi, kernel._state["module"].lib)
     rng = np.random.default_rng(3)
     for dtype in (np.float32, np.float64):
-        for n in (1, 15, 16, 17, 100, 255, 256, 257, 1000, 4099):
+        for n in (1, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 1000, 4099):
             m = 300 if n < 300 else 3
             x = (rng.standard_normal((m, n)) * 3 + 7).astype(dtype)
             w, b = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)

@@ -28,6 +28,7 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <string.h>
 
 #include "norms.h"
 
@@ -48,6 +49,18 @@ enum { LANES = 16, BLOCK = 256 };
 #define NORMS_KERNEL __attribute__((target_clones("avx512f", "avx2", "default"), flatten))
 #else
 #define NORMS_KERNEL
+#endif
+
+/* The compiler's vector extension (GCC, Clang): two sums of a block in one loop, which the
+ * plain loops do not vectorize well (block_sums_dev, block_sums_g). Elsewhere, two loops. */
+#if defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 9) && !defined(NORMS_NO_VECTORS)
+#define NORMS_VECTORS 1
+typedef double dvec16 __attribute__((vector_size(16 * sizeof(double))));
+typedef double dvec8 __attribute__((vector_size(8 * sizeof(double))));
+typedef double dvec4 __attribute__((vector_size(4 * sizeof(double))));
+_Static_assert(LANES == 16, "lanes_total adds 16 lanes as vector halves");
+#else
+#define NORMS_VECTORS 0
 #endif
 
 const char *norms_kernel_version(void)

@@ -5,6 +5,30 @@
  * totals in float64, added pairwise (see norms_cpu.c).
  */
 
+#if NORMS_VECTORS
+/* One LANES-wide vector of T: the compiler's vector extension, lowered to the registers the
+ * target has (one AVX-512 register for 16 floats, two AVX2 ones, four SSE2 ones). Its
+ * operations are elementwise, so lane k computes exactly what the scalar loops' acc[k] does. */
+typedef T FN(vec) __attribute__((vector_size(LANES * sizeof(T))));
+
+/* The LANES partial sums of a block, added pairwise in float64: s[k] += s[k + w] for
+ * w = 8, 4, 2, 1, as halves of vectors, so that the sums stay in registers. */
+static double FN(lanes_total)(const T *acc)
+{
+    FN(vec) a;
+    memcpy(&a, acc, sizeof a);
+    dvec16 s = __builtin_convertvector(a, dvec16);
+    dvec8 s8, h8;
+    memcpy(&s8, &s, sizeof s8);
+    memcpy(&h8, (const char *)&s + sizeof s8, sizeof h8);
+    s8 += h8;
+    dvec4 s4, h4;
+    memcpy(&s4, &s8, sizeof s4);
+    memcpy(&h4, (const char *)&s8 + sizeof s4, sizeof h4);
+    s4 += h4;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+#else
 /* The LANES partial sums of a block, added pairwise in float64. */
 static double FN(lanes_total)(const T *acc)
 {
@@ -16,10 +40,13 @@ static double FN(lanes_total)(const T *acc)
             s[k] += s[k + w];
     return s[0];
 }
+#endif
 
-/* Each block function makes one loop over at most BLOCK elements with one set of LANES
- * partial sums: that is the loop compilers vectorize well (two sets of sums in one loop came
- * out 3 times slower with GCC 12). A block is in L1 cache, so two loops over it cost little. */
+/* Each plain block function makes one loop over at most BLOCK elements with one set of LANES
+ * partial sums: that is the loop compilers vectorize well (two sets of sums in one plain loop
+ * came out 3 times slower with GCC 12). Where the compiler has vector extensions
+ * (NORMS_VECTORS), block_sums_dev and block_sums_g below compute two sums in one loop with
+ * explicit LANES-wide vectors, lane by lane the same operations as two plain loops. */
 
 /* Sum of x[i] - shift over one block (n <= BLOCK). */
 static double FN(block_sum)(const T *x, ptrdiff_t n, T shift)
@@ -47,6 +74,7 @@ static double FN(block_sum_sq)(const T *x, ptrdiff_t n, T shift)
     return FN(lanes_total)(acc);
 }
 
+#if !NORMS_VECTORS
 /* Sum of g[i] = dy[i] * weight[i] over one block. */
 static double FN(block_sum_g)(const T *dy, const T *weight, ptrdiff_t n)
 {
@@ -59,6 +87,7 @@ static double FN(block_sum_g)(const T *dy, const T *weight, ptrdiff_t n)
         acc[k] += dy[i] * weight[i];
     return FN(lanes_total)(acc);
 }
+#endif
 
 /* Sum of g[i] * (x[i] - shift) over one block. */
 static double FN(block_sum_gxc)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift)
@@ -91,14 +120,82 @@ static double FN(row_sum_sq)(const T *x, ptrdiff_t n)
     return pairwise_total(&s);
 }
 
-/* Sums of d[i] = x[i] - shift and of d[i]^2 over a row, in one pass (two loops per block). */
+#if NORMS_VECTORS
+/* Sums of x[i] - shift and of (x[i] - shift)^2 over one block, in one loop: lane by lane the
+ * same operations, in the same order, as block_sum and block_sum_sq. */
+static void FN(block_sums_dev)(const T *x, ptrdiff_t n, T shift, double *sum_d, double *sum_dd)
+{
+    FN(vec) acc = {0}, acc2 = {0};
+    ptrdiff_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        FN(vec) d;
+        memcpy(&d, x + i, sizeof d);
+        d = d - shift;
+        acc += d;
+        acc2 += d * d;
+    }
+    T a[LANES], a2[LANES];
+    memcpy(a, &acc, sizeof a);
+    memcpy(a2, &acc2, sizeof a2);
+    for (int k = 0; i < n; i++, k++) {
+        a[k] += x[i] - shift;
+        a2[k] += (x[i] - shift) * (x[i] - shift);
+    }
+    *sum_d = FN(lanes_total)(a);
+    *sum_dd = FN(lanes_total)(a2);
+}
+
+/* Sums of g[i] = dy[i] weight[i] and of g[i] (x[i] - shift) over one block, in one loop: the
+ * same operations, lane by lane, as block_sum_g and block_sum_gxc. */
+static void FN(block_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift,
+                             double *sum_g, double *sum_gxc)
+{
+    FN(vec) acc = {0}, acc2 = {0};
+    ptrdiff_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        FN(vec) g, w, d;
+        memcpy(&g, dy + i, sizeof g);
+        memcpy(&w, weight + i, sizeof w);
+        memcpy(&d, x + i, sizeof d);
+        g = g * w;
+        acc += g;
+        acc2 += g * (d - shift);
+    }
+    T a[LANES], a2[LANES];
+    memcpy(a, &acc, sizeof a);
+    memcpy(a2, &acc2, sizeof a2);
+    for (int k = 0; i < n; i++, k++) {
+        a[k] += dy[i] * weight[i];
+        a2[k] += dy[i] * weight[i] * (x[i] - shift);
+    }
+    *sum_g = FN(lanes_total)(a);
+    *sum_gxc = FN(lanes_total)(a2);
+}
+#else
+static void FN(block_sums_dev)(const T *x, ptrdiff_t n, T shift, double *sum_d, double *sum_dd)
+{
+    *sum_d = FN(block_sum)(x, n, shift);
+    *sum_dd = FN(block_sum_sq)(x, n, shift);
+}
+
+static void FN(block_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift,
+                             double *sum_g, double *sum_gxc)
+{
+    *sum_g = FN(block_sum_g)(dy, weight, n);
+    *sum_gxc = FN(block_sum_gxc)(dy, weight, x, n, shift);
+}
+#endif
+
+/* Sums of d[i] = x[i] - shift and of d[i]^2 over a row, in one pass (one loop per block). */
 static void FN(row_sums_dev)(const T *x, ptrdiff_t n, T shift, double *sum_d, double *sum_dd)
 {
     struct pairwise s_d, s_dd;
     s_d.count = s_dd.count = 0;
     for (ptrdiff_t i = 0; i < n; i += BLOCK) {
-        pairwise_add(&s_d, FN(block_sum)(x + i, block_len(i, n), shift));
-        pairwise_add(&s_dd, FN(block_sum_sq)(x + i, block_len(i, n), shift));
+        double bd, bdd;
+        FN(block_sums_dev)(x + i, block_len(i, n), shift, &bd, &bdd);
+        pairwise_add(&s_d, bd);
+        pairwise_add(&s_dd, bdd);
     }
     *sum_d = pairwise_total(&s_d);
     *sum_dd = pairwise_total(&s_dd);
@@ -121,9 +218,10 @@ static void FN(row_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n
     struct pairwise s_g, s_gxc;
     s_g.count = s_gxc.count = 0;
     for (ptrdiff_t i = 0; i < n; i += BLOCK) {
-        ptrdiff_t len = block_len(i, n);
-        pairwise_add(&s_g, FN(block_sum_g)(dy + i, weight + i, len));
-        pairwise_add(&s_gxc, FN(block_sum_gxc)(dy + i, weight + i, x + i, len, shift));
+        double bg, bgxc;
+        FN(block_sums_g)(dy + i, weight + i, x + i, block_len(i, n), shift, &bg, &bgxc);
+        pairwise_add(&s_g, bg);
+        pairwise_add(&s_gxc, bgxc);
     }
     *sum_g = pairwise_total(&s_g);
     *sum_gxc = pairwise_total(&s_gxc);
