@@ -33,6 +33,8 @@
 #include "norms.h"
 
 enum { LANES = 16, BLOCK = 256 };
+/* Rows up to this length are processed two at a time (the passes of two rows interleaved). */
+enum { PAIR_MAX = 1024 };
 
 /* Function multi-versioning where the compiler has it and the C library can pick a version
  * at load time (ifunc: glibc on x86-64); flatten inlines the helpers so that they are compiled

@@ -229,34 +229,64 @@ static void FN(row_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n
 
 /* LayerNorm of one row: two passes for the statistics, one for y. Only the first pass
  * reads x from memory; the row is in cache for the others. */
-static void FN(layer_norm_forward_row)(const T *x, const T *weight, const T *bias, T *y,
-                                       T *mean, T *rstd, ptrdiff_t n, double eps)
+static void FN(layer_norm_stats)(const T *x, ptrdiff_t n, T mu0, double eps, T *mu, T *rs)
 {
-    T mu0 = (T)(FN(row_sum)(x, n) / n);
     /* corrected two-pass (Chan, Golub and LeVeque): the deviations from mu0 give the
      * correction of the mean and, in the same pass, the variance */
     double sum_d, sum_dd;
     FN(row_sums_dev)(x, n, mu0, &sum_d, &sum_dd);
     double delta = sum_d / n;
     double var = sum_dd / n - delta * delta;
-    T mu = (T)(mu0 + delta);
-    T rs = (T)(1 / sqrt(var + eps));
+    *mu = (T)(mu0 + delta);
+    *rs = (T)(1 / sqrt(var + eps));
+}
+
+static void FN(layer_norm_y)(const T *x, const T *weight, const T *bias, T *y, T mu, T rs,
+                             ptrdiff_t n)
+{
     for (ptrdiff_t i = 0; i < n; i++)
         y[i] = (x[i] - mu) * rs * weight[i] + bias[i];
-    *mean = mu;
-    *rstd = rs;
+}
+
+static void FN(layer_norm_forward_row)(const T *x, const T *weight, const T *bias, T *y,
+                                       T *mean, T *rstd, ptrdiff_t n, double eps)
+{
+    T mu0 = (T)(FN(row_sum)(x, n) / n);
+    FN(layer_norm_stats)(x, n, mu0, eps, mean, rstd);
+    FN(layer_norm_y)(x, weight, bias, y, *mean, *rstd, n);
+}
+
+/* Two short rows a and b: each pass of a, then the same pass of b, so that the processor
+ * overlaps the two rows' chains of dependent steps (sum, mean, deviations, rstd, y). Each row
+ * gets exactly the operations of layer_norm_forward_row. */
+static void FN(layer_norm_forward_pair)(const T *xa, const T *xb, const T *weight,
+                                        const T *bias, T *ya, T *yb, T *mean, T *rstd,
+                                        ptrdiff_t n, double eps)
+{
+    T mu0a = (T)(FN(row_sum)(xa, n) / n);
+    T mu0b = (T)(FN(row_sum)(xb, n) / n);
+    FN(layer_norm_stats)(xa, n, mu0a, eps, mean, rstd);
+    FN(layer_norm_stats)(xb, n, mu0b, eps, mean + 1, rstd + 1);
+    FN(layer_norm_y)(xa, weight, bias, ya, mean[0], rstd[0], n);
+    FN(layer_norm_y)(xb, weight, bias, yb, mean[1], rstd[1], n);
 }
 
 /* dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy weight; adds dy xhat and dy to the
- * row block's column sums. One pass for the two means, one for dx. */
-static void FN(layer_norm_backward_row)(const T *dy, const T *x, T mean, T rstd,
-                                        const T *weight, T *dx, double *dweight,
-                                        double *dbias, ptrdiff_t n)
+ * row block's column sums. One pass for the two means (layer_norm_means), one for dx
+ * (layer_norm_dx). */
+static void FN(layer_norm_means)(const T *dy, const T *x, T mean, T rstd, const T *weight,
+                                 ptrdiff_t n, T *mean_g, T *mean_gxhat)
 {
     double sum_g, sum_gxc;
     FN(row_sums_g)(dy, weight, x, n, mean, &sum_g, &sum_gxc);
-    T mean_g = (T)(sum_g / n);
-    T mean_gxhat = (T)(sum_gxc * rstd / n);
+    *mean_g = (T)(sum_g / n);
+    *mean_gxhat = (T)(sum_gxc * rstd / n);
+}
+
+static void FN(layer_norm_dx)(const T *dy, const T *x, T mean, T rstd, const T *weight,
+                              T mean_g, T mean_gxhat, T *dx, double *dweight, double *dbias,
+                              ptrdiff_t n)
+{
     for (ptrdiff_t i = 0; i < n; i++) {
         T xhat = (x[i] - mean) * rstd;
         dx[i] = rstd * (dy[i] * weight[i] - mean_g - xhat * mean_gxhat);
@@ -265,22 +295,28 @@ static void FN(layer_norm_backward_row)(const T *dy, const T *x, T mean, T rstd,
     }
 }
 
-/* RMSNorm of one row: one pass for the mean square, one for y. */
-static void FN(rms_norm_forward_row)(const T *x, const T *weight, T *y, T *rstd, ptrdiff_t n,
-                                     double eps)
+/* RMSNorm: rstd of one row (one pass for the mean square), then y. */
+static T FN(rms_norm_rstd)(const T *x, ptrdiff_t n, double eps)
 {
-    T rs = (T)(1 / sqrt(FN(row_sum_sq)(x, n) / n + eps));
+    return (T)(1 / sqrt(FN(row_sum_sq)(x, n) / n + eps));
+}
+
+static void FN(rms_norm_y)(const T *x, const T *weight, T *y, T rs, ptrdiff_t n)
+{
     for (ptrdiff_t i = 0; i < n; i++)
         y[i] = x[i] * rs * weight[i];
-    *rstd = rs;
 }
 
 /* dx = rstd (g - xhat mean(g xhat)) with xhat = x rstd, g = dy weight; adds dy xhat to the
- * row block's column sums. One pass for the mean, one for dx. */
-static void FN(rms_norm_backward_row)(const T *dy, const T *x, T rstd, const T *weight, T *dx,
-                                      double *dweight, ptrdiff_t n)
+ * row block's column sums. One pass for the mean (rms_norm_mean), one for dx (rms_norm_dx). */
+static T FN(rms_norm_mean)(const T *dy, const T *x, T rstd, const T *weight, ptrdiff_t n)
 {
-    T mean_gxhat = (T)(FN(row_sum_gxc)(dy, weight, x, n, 0) * rstd / n);
+    return (T)(FN(row_sum_gxc)(dy, weight, x, n, 0) * rstd / n);
+}
+
+static void FN(rms_norm_dx)(const T *dy, const T *x, T rstd, const T *weight, T mean_gxhat,
+                            T *dx, double *dweight, ptrdiff_t n)
+{
     for (ptrdiff_t i = 0; i < n; i++) {
         T xhat = x[i] * rstd;
         dx[i] = rstd * (dy[i] * weight[i] - xhat * mean_gxhat);
@@ -288,11 +324,23 @@ static void FN(rms_norm_backward_row)(const T *dy, const T *x, T rstd, const T *
     }
 }
 
+/* Each kernel below takes rows up to PAIR_MAX long two at a time: a pass over row r, then the
+ * same pass over row r + 1, so that the processor overlaps the two rows' chains of dependent
+ * steps; each row gets exactly the operations it gets alone, and the column sums of dweight
+ * and dbias still receive row r before row r + 1 (both in one block of NORMS_BLOCK_ROWS, an
+ * even number, since r is even). */
+_Static_assert(NORMS_BLOCK_ROWS % 2 == 0, "a pair of rows must fall in one row block");
+
 NORMS_KERNEL void FN(layer_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight,
                                          const T *bias, T *y, T *mean, T *rstd, ptrdiff_t m,
                                          ptrdiff_t n, double eps)
 {
-    for (ptrdiff_t r = 0; r < m; r++)
+    ptrdiff_t r = 0;
+    if (n <= PAIR_MAX)
+        for (; r + 1 < m; r += 2)
+            FN(layer_norm_forward_pair)(x + r * ldx, x + (r + 1) * ldx, weight, bias, y + r * n,
+                                        y + (r + 1) * n, mean + r, rstd + r, n, eps);
+    for (; r < m; r++)
         FN(layer_norm_forward_row)(x + r * ldx, weight, bias, y + r * n, mean + r, rstd + r,
                                    n, eps);
 }
@@ -302,25 +350,48 @@ NORMS_KERNEL void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *
                                           double *dweight_blocks, double *dbias_blocks,
                                           ptrdiff_t m, ptrdiff_t n)
 {
-    for (ptrdiff_t r = 0; r < m; r++) {
-        ptrdiff_t b = r / NORMS_BLOCK_ROWS;
-        FN(layer_norm_backward_row)(dy + r * lddy, x + r * ldx, mean[r], rstd[r], weight,
-                                    dx + r * n, dweight_blocks + b * n, dbias_blocks + b * n, n);
+    ptrdiff_t step = n <= PAIR_MAX ? 2 : 1;
+    for (ptrdiff_t r = 0; r < m; r += step) {
+        ptrdiff_t k = r + step <= m ? step : 1; /* rows in this step: 2, or the last one */
+        double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
+        double *db = dbias_blocks + (r / NORMS_BLOCK_ROWS) * n;
+        T mean_g[2], mean_gxhat[2];
+        for (ptrdiff_t j = 0; j < k; j++)
+            FN(layer_norm_means)(dy + (r + j) * lddy, x + (r + j) * ldx, mean[r + j],
+                                 rstd[r + j], weight, n, mean_g + j, mean_gxhat + j);
+        for (ptrdiff_t j = 0; j < k; j++)
+            FN(layer_norm_dx)(dy + (r + j) * lddy, x + (r + j) * ldx, mean[r + j], rstd[r + j],
+                              weight, mean_g[j], mean_gxhat[j], dx + (r + j) * n, dw, db, n);
     }
 }
 
 NORMS_KERNEL void FN(rms_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight, T *y,
                                        T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
 {
-    for (ptrdiff_t r = 0; r < m; r++)
-        FN(rms_norm_forward_row)(x + r * ldx, weight, y + r * n, rstd + r, n, eps);
+    ptrdiff_t step = n <= PAIR_MAX ? 2 : 1;
+    for (ptrdiff_t r = 0; r < m; r += step) {
+        ptrdiff_t k = r + step <= m ? step : 1;
+        for (ptrdiff_t j = 0; j < k; j++)
+            rstd[r + j] = FN(rms_norm_rstd)(x + (r + j) * ldx, n, eps);
+        for (ptrdiff_t j = 0; j < k; j++)
+            FN(rms_norm_y)(x + (r + j) * ldx, weight, y + (r + j) * n, rstd[r + j], n);
+    }
 }
 
 NORMS_KERNEL void FN(rms_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x, ptrdiff_t ldx,
                                         const T *rstd, const T *weight, T *dx,
                                         double *dweight_blocks, ptrdiff_t m, ptrdiff_t n)
 {
-    for (ptrdiff_t r = 0; r < m; r++)
-        FN(rms_norm_backward_row)(dy + r * lddy, x + r * ldx, rstd[r], weight, dx + r * n,
-                                  dweight_blocks + (r / NORMS_BLOCK_ROWS) * n, n);
+    ptrdiff_t step = n <= PAIR_MAX ? 2 : 1;
+    for (ptrdiff_t r = 0; r < m; r += step) {
+        ptrdiff_t k = r + step <= m ? step : 1;
+        double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
+        T mean_gxhat[2];
+        for (ptrdiff_t j = 0; j < k; j++)
+            mean_gxhat[j] = FN(rms_norm_mean)(dy + (r + j) * lddy, x + (r + j) * ldx,
+                                              rstd[r + j], weight, n);
+        for (ptrdiff_t j = 0; j < k; j++)
+            FN(rms_norm_dx)(dy + (r + j) * lddy, x + (r + j) * ldx, rstd[r + j], weight,
+                            mean_gxhat[j], dx + (r + j) * n, dw, n);
+    }
 }
