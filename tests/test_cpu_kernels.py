@@ -168,13 +168,22 @@ _PASS = re.compile(
 )
 
 
-def _row_function_body(op):
-    source = (KERNEL_DIR / "norms_cpu_typed.h").read_text()
+def _function_body(source, name):
+    """The body of the static C function ``FN(name)`` in ``source``, or None."""
     match = re.search(
-        r"static void FN\(" + op + r"_row\)\([^)]*\)\n\{\n(.*?)\n\}\n", source, re.DOTALL
+        r"static \w+ FN\(" + name + r"\)\([^)]*\)\n\{\n(.*?)\n\}\n", source, re.DOTALL
     )
-    assert match, f"no row function for {op} in norms_cpu_typed.h"
-    return match.group(1)
+    return match and match.group(1)
+
+
+def _row_function_body(op):
+    """The body of ``FN(<op>_row)``, with the helpers it calls (other than the row sums
+    ``row_*``) spelled out in place, so that every pass over the row shows."""
+    source = (KERNEL_DIR / "norms_cpu_typed.h").read_text()
+    body = _function_body(source, op + "_row")
+    assert body, f"no row function for {op} in norms_cpu_typed.h"
+    helper = re.compile(r"FN\((?!row_)(\w+)\)\([^;]*;")
+    return helper.sub(lambda m: _function_body(source, m.group(1)) or m.group(0), body)
 
 
 @pytest.mark.parametrize("op", sorted(kernels.PASSES))

@@ -324,6 +324,30 @@ static void FN(rms_norm_dx)(const T *dy, const T *x, T rstd, const T *weight, T 
     }
 }
 
+/* One row alone (a long row, or the last of an odd count): the passes in order. */
+static void FN(layer_norm_backward_row)(const T *dy, const T *x, T mean, T rstd,
+                                        const T *weight, T *dx, double *dweight,
+                                        double *dbias, ptrdiff_t n)
+{
+    T mean_g, mean_gxhat;
+    FN(layer_norm_means)(dy, x, mean, rstd, weight, n, &mean_g, &mean_gxhat);
+    FN(layer_norm_dx)(dy, x, mean, rstd, weight, mean_g, mean_gxhat, dx, dweight, dbias, n);
+}
+
+static void FN(rms_norm_forward_row)(const T *x, const T *weight, T *y, T *rstd, ptrdiff_t n,
+                                     double eps)
+{
+    *rstd = FN(rms_norm_rstd)(x, n, eps);
+    FN(rms_norm_y)(x, weight, y, *rstd, n);
+}
+
+static void FN(rms_norm_backward_row)(const T *dy, const T *x, T rstd, const T *weight, T *dx,
+                                      double *dweight, ptrdiff_t n)
+{
+    T mean_gxhat = FN(rms_norm_mean)(dy, x, rstd, weight, n);
+    FN(rms_norm_dx)(dy, x, rstd, weight, mean_gxhat, dx, dweight, n);
+}
+
 /* Each kernel below takes rows up to PAIR_MAX long two at a time: a pass over row r, then the
  * same pass over row r + 1, so that the processor overlaps the two rows' chains of dependent
  * steps; each row gets exactly the operations it gets alone, and the column sums of dweight
@@ -350,48 +374,57 @@ NORMS_KERNEL void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *
                                           double *dweight_blocks, double *dbias_blocks,
                                           ptrdiff_t m, ptrdiff_t n)
 {
-    ptrdiff_t step = n <= PAIR_MAX ? 2 : 1;
-    for (ptrdiff_t r = 0; r < m; r += step) {
-        ptrdiff_t k = r + step <= m ? step : 1; /* rows in this step: 2, or the last one */
-        double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
-        double *db = dbias_blocks + (r / NORMS_BLOCK_ROWS) * n;
-        T mean_g[2], mean_gxhat[2];
-        for (ptrdiff_t j = 0; j < k; j++)
-            FN(layer_norm_means)(dy + (r + j) * lddy, x + (r + j) * ldx, mean[r + j],
-                                 rstd[r + j], weight, n, mean_g + j, mean_gxhat + j);
-        for (ptrdiff_t j = 0; j < k; j++)
-            FN(layer_norm_dx)(dy + (r + j) * lddy, x + (r + j) * ldx, mean[r + j], rstd[r + j],
-                              weight, mean_g[j], mean_gxhat[j], dx + (r + j) * n, dw, db, n);
+    ptrdiff_t r = 0;
+    if (n <= PAIR_MAX)
+        for (; r + 1 < m; r += 2) {
+            const T *dya = dy + r * lddy, *dyb = dya + lddy, *xa = x + r * ldx, *xb = xa + ldx;
+            double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
+            double *db = dbias_blocks + (r / NORMS_BLOCK_ROWS) * n;
+            T ga, gxa, gb, gxb;
+            FN(layer_norm_means)(dya, xa, mean[r], rstd[r], weight, n, &ga, &gxa);
+            FN(layer_norm_means)(dyb, xb, mean[r + 1], rstd[r + 1], weight, n, &gb, &gxb);
+            FN(layer_norm_dx)(dya, xa, mean[r], rstd[r], weight, ga, gxa, dx + r * n, dw, db, n);
+            FN(layer_norm_dx)(dyb, xb, mean[r + 1], rstd[r + 1], weight, gb, gxb,
+                              dx + (r + 1) * n, dw, db, n);
+        }
+    for (; r < m; r++) {
+        ptrdiff_t b = r / NORMS_BLOCK_ROWS;
+        FN(layer_norm_backward_row)(dy + r * lddy, x + r * ldx, mean[r], rstd[r], weight,
+                                    dx + r * n, dweight_blocks + b * n, dbias_blocks + b * n, n);
     }
 }
 
 NORMS_KERNEL void FN(rms_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight, T *y,
                                        T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
 {
-    ptrdiff_t step = n <= PAIR_MAX ? 2 : 1;
-    for (ptrdiff_t r = 0; r < m; r += step) {
-        ptrdiff_t k = r + step <= m ? step : 1;
-        for (ptrdiff_t j = 0; j < k; j++)
-            rstd[r + j] = FN(rms_norm_rstd)(x + (r + j) * ldx, n, eps);
-        for (ptrdiff_t j = 0; j < k; j++)
-            FN(rms_norm_y)(x + (r + j) * ldx, weight, y + (r + j) * n, rstd[r + j], n);
-    }
+    ptrdiff_t r = 0;
+    if (n <= PAIR_MAX)
+        for (; r + 1 < m; r += 2) {
+            const T *xa = x + r * ldx, *xb = xa + ldx;
+            rstd[r] = FN(rms_norm_rstd)(xa, n, eps);
+            rstd[r + 1] = FN(rms_norm_rstd)(xb, n, eps);
+            FN(rms_norm_y)(xa, weight, y + r * n, rstd[r], n);
+            FN(rms_norm_y)(xb, weight, y + (r + 1) * n, rstd[r + 1], n);
+        }
+    for (; r < m; r++)
+        FN(rms_norm_forward_row)(x + r * ldx, weight, y + r * n, rstd + r, n, eps);
 }
 
 NORMS_KERNEL void FN(rms_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x, ptrdiff_t ldx,
                                         const T *rstd, const T *weight, T *dx,
                                         double *dweight_blocks, ptrdiff_t m, ptrdiff_t n)
 {
-    ptrdiff_t step = n <= PAIR_MAX ? 2 : 1;
-    for (ptrdiff_t r = 0; r < m; r += step) {
-        ptrdiff_t k = r + step <= m ? step : 1;
-        double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
-        T mean_gxhat[2];
-        for (ptrdiff_t j = 0; j < k; j++)
-            mean_gxhat[j] = FN(rms_norm_mean)(dy + (r + j) * lddy, x + (r + j) * ldx,
-                                              rstd[r + j], weight, n);
-        for (ptrdiff_t j = 0; j < k; j++)
-            FN(rms_norm_dx)(dy + (r + j) * lddy, x + (r + j) * ldx, rstd[r + j], weight,
-                            mean_gxhat[j], dx + (r + j) * n, dw, n);
-    }
+    ptrdiff_t r = 0;
+    if (n <= PAIR_MAX)
+        for (; r + 1 < m; r += 2) {
+            const T *dya = dy + r * lddy, *dyb = dya + lddy, *xa = x + r * ldx, *xb = xa + ldx;
+            double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
+            T ma = FN(rms_norm_mean)(dya, xa, rstd[r], weight, n);
+            T mb = FN(rms_norm_mean)(dyb, xb, rstd[r + 1], weight, n);
+            FN(rms_norm_dx)(dya, xa, rstd[r], weight, ma, dx + r * n, dw, n);
+            FN(rms_norm_dx)(dyb, xb, rstd[r + 1], weight, mb, dx + (r + 1) * n, dw, n);
+        }
+    for (; r < m; r++)
+        FN(rms_norm_backward_row)(dy + r * lddy, x + r * ldx, rstd[r], weight, dx + r * n,
+                                  dweight_blocks + (r / NORMS_BLOCK_ROWS) * n, n);
 }
