@@ -122,6 +122,8 @@ def get_array_module(**arrays):
         If some arguments are CuPy arrays and others are not: lnlib never copies between host
         and device behind the caller's back.
     """
+    if "cupy" not in sys.modules:  # no argument can be a CuPy array: the common, fast case
+        return np
     kinds = {name: _is_cupy_array(a) for name, a in arrays.items() if a is not None}
     if not kinds:
         return np

@@ -53,6 +53,10 @@ def optional_param(a, name, shape, xp):
 
 def eps_value(eps):
     """Return ``eps`` as a float after checking it is a finite number >= 0."""
+    if type(eps) is float:  # the common case, without the slower checks of numbers.Real
+        if not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"eps must be finite and >= 0, got {eps}")
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
     try:
@@ -69,6 +73,8 @@ def eps_value(eps):
 
 def weight_offset_value(offset, weight):
     """Return ``weight_offset`` as a float: finite, and 0 unless there is a ``weight``."""
+    if type(offset) is float and offset == 0.0:  # the default, without numbers.Real's checks
+        return 0.0
     if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
         raise TypeError(f"weight_offset must be a real number, got {type(offset).__name__}")
     try:
@@ -89,7 +95,9 @@ def weight_offset_value(offset, weight):
 
 def normalized_ndim_value(x, normalized_ndim):
     """Check ``normalized_ndim`` against ``x`` and that no normalized axis is empty."""
-    if isinstance(normalized_ndim, bool) or not isinstance(normalized_ndim, numbers.Integral):
+    if type(normalized_ndim) is not int and (
+        isinstance(normalized_ndim, bool) or not isinstance(normalized_ndim, numbers.Integral)
+    ):
         raise TypeError(f"normalized_ndim must be an int, got {type(normalized_ndim).__name__}")
     k = int(normalized_ndim)
     if x.ndim == 0:
