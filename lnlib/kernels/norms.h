@@ -5,7 +5,8 @@
  *
  * Shapes (m rows of n elements; the suffix _f32 or _f64 is the element type T):
  *   x, dy          (m, n)  rows ldx, lddy elements apart (ldx, lddy >= n)
- *   y, dx          (m, n)  contiguous
+ *   y, dx          (m, n)  contiguous, overlapping no other argument (the kernels declare
+ *                          some of their outputs restrict)
  *   mean, rstd     (m,)
  *   weight, bias   (n,)    never NULL: the binding passes ones and zeros when absent
  *   dweight_blocks, dbias_blocks  (ceil(m / NORMS_BLOCK_ROWS), n) float64, zero on entry:

@@ -295,6 +295,35 @@ static void FN(layer_norm_dx)(const T *dy, const T *x, T mean, T rstd, const T *
     }
 }
 
+/* layer_norm_dx for two rows a and b in one loop: each element of the column sums receives
+ * row a's term, then row b's, as with two calls, so the bits are the same; the column sums
+ * are loaded and stored once for the two rows. */
+static void FN(layer_norm_dx_pair)(const T *dya, const T *dyb, const T *xa, const T *xb,
+                                   const T *mean, const T *rstd, const T *weight,
+                                   const T *mean_g, const T *mean_gxhat, T *restrict dxa,
+                                   T *restrict dxb, double *restrict dweight,
+                                   double *restrict dbias, ptrdiff_t n)
+{
+    /* the outputs are fresh arrays of the binding: restrict lets the loop be vectorized
+     * without a run-time overlap check of every pair of pointers */
+    const T ma = mean[0], mb = mean[1], ra = rstd[0], rb = rstd[1];
+    const T ga = mean_g[0], gb = mean_g[1], gxa = mean_gxhat[0], gxb = mean_gxhat[1];
+    for (ptrdiff_t i = 0; i < n; i++) {
+        T xhat_a = (xa[i] - ma) * ra;
+        T xhat_b = (xb[i] - mb) * rb;
+        dxa[i] = ra * (dya[i] * weight[i] - ga - xhat_a * gxa);
+        dxb[i] = rb * (dyb[i] * weight[i] - gb - xhat_b * gxb);
+        double dw = dweight[i];
+        dw += dya[i] * xhat_a;
+        dw += dyb[i] * xhat_b;
+        dweight[i] = dw;
+        double db = dbias[i];
+        db += dya[i];
+        db += dyb[i];
+        dbias[i] = db;
+    }
+}
+
 /* RMSNorm: rstd of one row (one pass for the mean square), then y. */
 static T FN(rms_norm_rstd)(const T *x, ptrdiff_t n, double eps)
 {
@@ -348,6 +377,26 @@ static void FN(rms_norm_backward_row)(const T *dy, const T *x, T rstd, const T *
     FN(rms_norm_dx)(dy, x, rstd, weight, mean_gxhat, dx, dweight, n);
 }
 
+/* rms_norm_dx for two rows a and b in one loop (as layer_norm_dx_pair: row a's term, then
+ * row b's, in each column sum). */
+static void FN(rms_norm_dx_pair)(const T *dya, const T *dyb, const T *xa, const T *xb,
+                                 const T *rstd, const T *weight, const T *mean_gxhat,
+                                 T *restrict dxa, T *restrict dxb, double *restrict dweight,
+                                 ptrdiff_t n)
+{
+    const T ra = rstd[0], rb = rstd[1], gxa = mean_gxhat[0], gxb = mean_gxhat[1];
+    for (ptrdiff_t i = 0; i < n; i++) {
+        T xhat_a = xa[i] * ra;
+        T xhat_b = xb[i] * rb;
+        dxa[i] = ra * (dya[i] * weight[i] - xhat_a * gxa);
+        dxb[i] = rb * (dyb[i] * weight[i] - xhat_b * gxb);
+        double dw = dweight[i];
+        dw += dya[i] * xhat_a;
+        dw += dyb[i] * xhat_b;
+        dweight[i] = dw;
+    }
+}
+
 /* Each kernel below takes rows up to PAIR_MAX long two at a time: a pass over row r, then the
  * same pass over row r + 1, so that the processor overlaps the two rows' chains of dependent
  * steps; each row gets exactly the operations it gets alone, and the column sums of dweight
@@ -380,12 +429,11 @@ NORMS_KERNEL void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *
             const T *dya = dy + r * lddy, *dyb = dya + lddy, *xa = x + r * ldx, *xb = xa + ldx;
             double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
             double *db = dbias_blocks + (r / NORMS_BLOCK_ROWS) * n;
-            T ga, gxa, gb, gxb;
-            FN(layer_norm_means)(dya, xa, mean[r], rstd[r], weight, n, &ga, &gxa);
-            FN(layer_norm_means)(dyb, xb, mean[r + 1], rstd[r + 1], weight, n, &gb, &gxb);
-            FN(layer_norm_dx)(dya, xa, mean[r], rstd[r], weight, ga, gxa, dx + r * n, dw, db, n);
-            FN(layer_norm_dx)(dyb, xb, mean[r + 1], rstd[r + 1], weight, gb, gxb,
-                              dx + (r + 1) * n, dw, db, n);
+            T g[2], gx[2];
+            FN(layer_norm_means)(dya, xa, mean[r], rstd[r], weight, n, g, gx);
+            FN(layer_norm_means)(dyb, xb, mean[r + 1], rstd[r + 1], weight, n, g + 1, gx + 1);
+            FN(layer_norm_dx_pair)(dya, dyb, xa, xb, mean + r, rstd + r, weight, g, gx,
+                                   dx + r * n, dx + (r + 1) * n, dw, db, n);
         }
     for (; r < m; r++) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS;
@@ -419,10 +467,11 @@ NORMS_KERNEL void FN(rms_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x,
         for (; r + 1 < m; r += 2) {
             const T *dya = dy + r * lddy, *dyb = dya + lddy, *xa = x + r * ldx, *xb = xa + ldx;
             double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
-            T ma = FN(rms_norm_mean)(dya, xa, rstd[r], weight, n);
-            T mb = FN(rms_norm_mean)(dyb, xb, rstd[r + 1], weight, n);
-            FN(rms_norm_dx)(dya, xa, rstd[r], weight, ma, dx + r * n, dw, n);
-            FN(rms_norm_dx)(dyb, xb, rstd[r + 1], weight, mb, dx + (r + 1) * n, dw, n);
+            T gx[2];
+            gx[0] = FN(rms_norm_mean)(dya, xa, rstd[r], weight, n);
+            gx[1] = FN(rms_norm_mean)(dyb, xb, rstd[r + 1], weight, n);
+            FN(rms_norm_dx_pair)(dya, dyb, xa, xb, rstd + r, weight, gx, dx + r * n,
+                                 dx + (r + 1) * n, dw, n);
         }
     for (; r < m; r++)
         FN(rms_norm_backward_row)(dy + r * lddy, x + r * ldx, rstd[r], weight, dx + r * n,
