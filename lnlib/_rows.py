@@ -90,9 +90,14 @@ def run_chunks(m, n, chunk_fn, *, block_rows=None, threads=None, itemsize=4):
     futures = _submit_all(chunk_fn, bounds[1:], block_rows)
     results = [chunk_fn(*bounds[0], block_rows)]  # the calling thread takes the first chunk
     if futures is None:
-        results.extend(chunk_fn(s, e, block_rows) for s, e in bounds[1:])
-    else:
-        results.extend(f.result() for f in futures)
+        futures = [None] * (len(bounds) - 1)
+    for f, (s, e) in zip(futures, bounds[1:]):
+        # A chunk no worker has started yet (all cores busy) is run here rather than waited
+        # for; the chunks are the same whoever runs them, so the results are too.
+        if f is None or f.cancel():
+            results.append(chunk_fn(s, e, block_rows))
+        else:
+            results.append(f.result())
     return results
 
 
