@@ -260,9 +260,9 @@ def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=Non
 
     Parameters
     ----------
-    x : torch.Tensor, shape (N, h_r), float32 or float64, CPU
+    x : torch.Tensor, shape (N, D_k), float32 or float64, CPU
         This rank's columns of the rows.
-    weight, bias : torch.Tensor of shape (h_r,) or None
+    weight, bias : torch.Tensor of shape (D_k,) or None
         This rank's slices of the affine parameters.
     eps : float, default 1e-5
         Added to the variance inside the square root.
@@ -271,7 +271,7 @@ def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=Non
 
     Returns
     -------
-    y : torch.Tensor, shape (N, h_r)
+    y : torch.Tensor, shape (N, D_k)
         This rank's columns of the output.
     mean, rstd : torch.Tensor, shape (N,)
         Statistics of the whole rows, bit-identical on every rank.
@@ -308,20 +308,20 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
 
     Parameters
     ----------
-    dy, x : torch.Tensor, shape (N, h_r)
+    dy, x : torch.Tensor, shape (N, D_k)
         This rank's columns of the output gradient and of the input.
     mean, rstd : torch.Tensor, shape (N,)
         As returned by the forward.
-    weight : torch.Tensor of shape (h_r,) or None
+    weight : torch.Tensor of shape (D_k,) or None
         This rank's slice of the forward gain (None: ones).
     group : torch.distributed process group or None
         The ranks that share the rows (None: the default group).
 
     Returns
     -------
-    dx : torch.Tensor, shape (N, h_r)
+    dx : torch.Tensor, shape (N, D_k)
         Gradient with respect to this rank's columns of ``x``.
-    dweight, dbias : torch.Tensor, shape (h_r,)
+    dweight, dbias : torch.Tensor, shape (D_k,)
         Gradients of this rank's slices (of a weight of ones and a bias of
         zeros when none was used).
 
@@ -365,9 +365,9 @@ def sharded_layer_norm(x, weight=None, bias=None, *, eps=1e-5, group=None):
 
     Parameters
     ----------
-    x : torch.Tensor, shape (N, h_r), float32 or float64, CPU
+    x : torch.Tensor, shape (N, D_k), float32 or float64, CPU
         This rank's columns of the rows.
-    weight, bias : torch.Tensor of shape (h_r,) or None
+    weight, bias : torch.Tensor of shape (D_k,) or None
         This rank's slices of the affine parameters.
     eps : float, default 1e-5
         Added to the variance inside the square root.
@@ -376,7 +376,7 @@ def sharded_layer_norm(x, weight=None, bias=None, *, eps=1e-5, group=None):
 
     Returns
     -------
-    y : torch.Tensor, shape (N, h_r)
+    y : torch.Tensor, shape (N, D_k)
         This rank's columns of the output; gradients flow to ``x`` and to this rank's
         slices of ``weight`` and ``bias``.
 
