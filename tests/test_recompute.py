@@ -78,3 +78,13 @@ def test_saved_bytes_counts_shared_buffers_once():
     a = np.zeros((10, 10))
     assert saved_bytes(a, a, a[2:], a.T, None) == a.nbytes
     assert saved_bytes(a, np.zeros(5)) == a.nbytes + 40
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_keeping_rstd_does_not_keep_mean(cpu_path, dtype):
+    """The backward from the output keeps rstd only: mean must be a buffer of its own, or
+    keeping rstd would hold mean's memory too (what chapter 5's memory count measures)."""
+    x = np.random.default_rng(0).standard_normal((64, 32)).astype(dtype)
+    _, mean, rstd = lnlib.layer_norm_forward(x)
+    assert not np.shares_memory(mean, rstd)
+    assert saved_bytes(rstd) == rstd.nbytes

@@ -326,11 +326,13 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
     fn = _c_function("layer_norm_forward", x.dtype)
     x = _rows(x, x.dtype)
     weight, bias = _vector(weight, n, x.dtype, 1), _vector(bias, n, x.dtype, 0)
-    y, stats = np.empty((m, n), dtype=x.dtype), np.empty((2, m), dtype=x.dtype)  # (M, D)
-    mean, rstd = stats  # (M,) each, in one allocation
+    y = np.empty((m, n), dtype=x.dtype)  # (M, D)
+    # mean and rstd in buffers of their own: a caller that keeps only rstd (the backward from
+    # the output) must not keep mean alive with it
+    mean, rstd = np.empty(m, dtype=x.dtype), np.empty(m, dtype=x.dtype)  # (M,), (M,)
     p_x, p_w, p_b = _pointer(x), _pointer(weight), _pointer(bias)
-    p_y, p_mean = _pointer(y, writable=True), _pointer(stats, writable=True)
-    p_rstd = p_mean + m
+    p_y, p_mean = _pointer(y, writable=True), _pointer(mean, writable=True)
+    p_rstd = _pointer(rstd, writable=True)
     ld = _ld(x)
 
     def chunk(start, stop, _block_rows):
