@@ -105,7 +105,7 @@ register(
     description="CUDA kernels through CuPy",
 )
 #: Names :func:`use_implementation` accepts.
-NAMES = ("auto", "kernel", "numpy", "reference", "cuda")
+NAMES = ("auto", *_REGISTRY)
 
 
 def _is_cupy_array(a):
