@@ -192,3 +192,43 @@ def load_block(src, scratch, dtype):
     out = scratch[: src.shape[0]]
     np.copyto(out, src, casting="same_kind" if src.dtype.itemsize > out.dtype.itemsize else "safe")
     return out
+
+
+def direct_out(rows_fn, out, row_shapes, inputs, xp):
+    """The ``out=`` keyword for a row function: the out arrays it can write in place.
+
+    ``out`` is the checked tuple of :func:`lnlib._validate.out_arrays` (or None); a row function
+    that writes results into given arrays lists their positions in its attribute
+    ``writes_out``. An array is written in place
+    when it is C-contiguous and shares no memory with an input; the others are filled by
+    :func:`fill_out` afterwards, so a result is the same wherever it is written (an ``out``
+    that overlaps ``x`` gets the result computed from the unmodified ``x``).
+    Returns ``(kwargs, direct)``: the keyword arguments for the call, and per result whether it
+    was written in place.
+    """
+    if out is None:
+        return {}, None
+    writes = getattr(rows_fn, "writes_out", ())
+    direct = tuple(
+        a is not None
+        and i in writes
+        and a.flags.c_contiguous
+        and not any(b is not None and xp.may_share_memory(a, b) for b in inputs)
+        for i, a in enumerate(out)
+    )
+    if not any(direct):
+        return {}, direct
+    views = tuple(a.reshape(s) if d else None for a, s, d in zip(out, row_shapes, direct))
+    return {"out": views}, direct
+
+
+def fill_out(out, direct, results):
+    """The results to return: each given ``out`` array, holding its result, or the result."""
+    if out is None:
+        return results
+    filled = []
+    for a, d, r in zip(out, direct, results):
+        if a is not None and not d:
+            a[...] = r
+        filled.append(r if a is None else a)
+    return tuple(filled)

@@ -191,3 +191,49 @@ def broadcast_modulation(a, name, x):
             f"{name} must broadcast against x of shape {x.shape} without enlarging it (for example"
             f" (B, D) for x of shape (B, D), or (B, 1, D) for (B, T, D)), got {a.shape}"
         )
+
+
+def out_arrays(out, xp, specs, *, single=False):
+    """Check ``out=``: None, or one array per result, each exactly of its result's shape and dtype.
+
+    ``specs`` lists ``(label, shape, dtype)`` per result. With ``single`` the function returns
+    one array and ``out`` is that array (or None); otherwise ``out`` is a tuple (or list) of
+    ``len(specs)`` entries, each an array or None (then that result is allocated). Returns a
+    tuple with one array or None per result; raises before anything is written.
+    """
+    if out is None:
+        return None
+    if single:
+        out = (out,)
+    elif not isinstance(out, (tuple, list)) or len(out) != len(specs):
+        labels = ", ".join(label for label, _, _ in specs)
+        raise TypeError(
+            f"out must be a tuple of {len(specs)} arrays or None ({labels}), got "
+            f"{type(out).__name__}"
+            + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+        )
+    for i, (a, (label, shape, dtype)) in enumerate(zip(out, specs)):
+        name = "out" if single else f"out[{i}] ({label})"
+        if a is None:
+            continue
+        if not isinstance(a, xp.ndarray):
+            raise TypeError(
+                f"{name} must be a {xp.__name__}.ndarray (the array library of x), "
+                f"got {type(a).__name__}"
+            )
+        if a.shape != tuple(shape) or a.dtype != dtype:
+            raise ValueError(
+                f"{name} must have shape {tuple(shape)} and dtype {np.dtype(dtype)} (those of "
+                f"{label}), got shape {a.shape} and dtype {a.dtype}"
+            )
+        if not getattr(a.flags, "writeable", True):
+            raise ValueError(f"{name} is read-only")
+    given = [(i, a) for i, a in enumerate(out) if a is not None]
+    for j, (i, a) in enumerate(given):
+        for i2, b in given[j + 1 :]:
+            if xp.may_share_memory(a, b):
+                raise ValueError(
+                    f"out[{i}] ({specs[i][0]}) and out[{i2}] ({specs[i2][0]}) share memory; "
+                    "each result needs an array of its own"
+                )
+    return tuple(out)

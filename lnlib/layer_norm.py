@@ -1,13 +1,17 @@
 r"""Layer normalization (Ba, Kiros and Hinton, 2016): forward and backward."""
 
+import math
+
 from . import _validate as check
 from ._backend import accumulation_dtype, get_array_module, select
-from ._rows import as_rows, param_row
+from ._rows import as_rows, direct_out, fill_out, param_row
 
 __all__ = ["layer_norm", "layer_norm_forward", "layer_norm_backward"]
 
 
-def layer_norm(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1, weight_offset=0.0):
+def layer_norm(
+    x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1, weight_offset=0.0, out=None
+):
     r"""Layer normalization of ``x`` over its last ``normalized_ndim`` axes; returns ``y`` only.
 
     Each row (the :math:`D` values of one slice over the normalized axes) is standardized
@@ -30,6 +34,8 @@ def layer_norm(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1, weight
     weight_offset : float, default 0.0
         Keyword only. The gain is ``weight_offset + weight`` (zero-centred gain with 1.0);
         0 when ``weight`` is None.
+    out : ndarray, optional
+        Keyword only. An array of the shape and dtype of ``x`` to write ``y`` into (returned).
 
     Returns
     -------
@@ -47,13 +53,24 @@ def layer_norm(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1, weight
     Same as ``layer_norm_forward(...)[0]``. Covered in :ref:`sec-ch02-one-vector` (one row)
     and :ref:`sec-ch02-tensors` (which axes are normalized).
     """
+    if out is not None:
+        xp = get_array_module(x=x, weight=weight, bias=bias)
+        x = check.float_array(x, "x", xp)
+        check.out_arrays(out, xp, [("y", x.shape, x.dtype)], single=True)
+        out = (out, None, None)
     return layer_norm_forward(
-        x, weight, bias, eps=eps, normalized_ndim=normalized_ndim, weight_offset=weight_offset
+        x,
+        weight,
+        bias,
+        eps=eps,
+        normalized_ndim=normalized_ndim,
+        weight_offset=weight_offset,
+        out=out,
     )[0]
 
 
 def layer_norm_forward(
-    x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1, weight_offset=0.0
+    x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1, weight_offset=0.0, out=None
 ):
     r"""Layer normalization forward pass, returning what the backward pass needs.
 
@@ -86,6 +103,12 @@ def layer_norm_forward(
         initialised at zero is the zero-centred gain (Transformer Engine's
         ``zero_centered_gamma``). Must be 0 when ``weight`` is None (there is no weight
         to offset).
+    out : tuple of 3 (ndarray or None), optional
+        Keyword only. Arrays to write ``y``, ``mean`` and ``rstd`` into, each of exactly the
+        shape and dtype of its result (a None entry is allocated); they are what is returned.
+        Reused across calls, they save the allocation and the first-touch page faults of new
+        arrays (chapter 5 measures both). An array that overlaps an input receives the result
+        computed from the unmodified input.
 
     Returns
     -------
@@ -104,7 +127,8 @@ def layer_norm_forward(
     ValueError
         ``weight``/``bias`` do not have shape ``norm``; ``eps`` is negative or not finite;
         ``normalized_ndim`` is not in ``1..x.ndim``; a normalized axis is empty;
-        ``weight_offset`` not finite, or nonzero without a ``weight``.
+        ``weight_offset`` not finite, or nonzero without a ``weight``; an ``out`` array of
+        another shape or dtype than its result, read-only, or sharing memory with another.
 
     Notes
     -----
@@ -125,15 +149,20 @@ def layer_norm_forward(
     weight = check.optional_param(weight, "weight", norm, xp)
     bias = check.optional_param(bias, "bias", norm, xp)
     offset = check.weight_offset_value(weight_offset, weight)
-    forward_rows = select("layer_norm_forward", xp, x.dtype)
     acc, lead = accumulation_dtype(x.dtype), x.shape[: x.ndim - k]
-    y, mean, rstd = forward_rows(
-        as_rows(x, k), param_row(weight, acc, offset), param_row(bias, acc), eps=eps
+    out = check.out_arrays(
+        out, xp, [("y", x.shape, x.dtype), ("mean", lead, acc), ("rstd", lead, acc)]
     )
-    return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
+    forward_rows = select("layer_norm_forward", xp, x.dtype)
+    m, n = math.prod(lead), math.prod(norm)
+    kwargs, direct = direct_out(forward_rows, out, ((m, n), (m,), (m,)), (x, weight, bias), xp)
+    y, mean, rstd = forward_rows(
+        as_rows(x, k), param_row(weight, acc, offset), param_row(bias, acc), eps=eps, **kwargs
+    )
+    return fill_out(out, direct, (y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)))
 
 
-def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0):
+def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0, out=None):
     r"""Layer normalization backward pass.
 
     With :math:`\hat{x} = (x - \mu)\,\mathrm{rstd}` and :math:`g = dy\,\gamma`, per row
@@ -159,6 +188,10 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0):
     weight_offset : float, default 0.0
         Keyword only; the forward's ``weight_offset`` (the scale was
         ``weight_offset + weight``). ``dweight`` has the same form for any offset.
+    out : tuple of 3 (ndarray or None), optional
+        Keyword only. Arrays to write ``dx``, ``dweight`` and ``dbias`` into, each of exactly
+        the shape and dtype of its result (a None entry is allocated); they are returned. An
+        array that overlaps an input receives the result computed from the unmodified input.
 
     Returns
     -------
@@ -175,7 +208,8 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0):
         A non-floating array, or arrays from different array libraries.
     ValueError
         ``dy`` not shaped like ``x``; ``mean``/``rstd`` not the leading axes of ``x`` or not
-        of one shape; ``weight`` not of shape ``norm``.
+        of one shape; ``weight`` not of shape ``norm``; an ``out`` array of another shape or
+        dtype than its result, read-only, or sharing memory with another.
 
     Notes
     -----
@@ -188,18 +222,30 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0):
     norm = x.shape[x.ndim - k :]
     weight = check.optional_param(weight, "weight", norm, xp)
     offset = check.weight_offset_value(weight_offset, weight)
+    pdtype = x.dtype if weight is None else weight.dtype
+    out = check.out_arrays(
+        out, xp, [("dx", x.shape, x.dtype), ("dweight", norm, pdtype), ("dbias", norm, pdtype)]
+    )
     backward_rows = select("layer_norm_backward", xp, x.dtype)
     acc = accumulation_dtype(x.dtype)  # also for statistics saved in another dtype
+    m, n = mean.size, math.prod(norm)
+    kwargs, direct = direct_out(
+        backward_rows, out, ((m, n), (n,), (n,)), (dy, x, mean, rstd, weight), xp
+    )
     dx, dweight, dbias = backward_rows(
         as_rows(dy, k),
         as_rows(x, k),
         mean.reshape(-1).astype(acc, copy=False),
         rstd.reshape(-1).astype(acc, copy=False),
         param_row(weight, acc, offset),
+        **kwargs,
     )
-    pdtype = x.dtype if weight is None else weight.dtype
-    return (
-        dx.reshape(x.shape),
-        dweight.reshape(norm).astype(pdtype, copy=False),
-        dbias.reshape(norm).astype(pdtype, copy=False),
+    return fill_out(
+        out,
+        direct,
+        (
+            dx.reshape(x.shape),
+            dweight.reshape(norm).astype(pdtype, copy=False),
+            dbias.reshape(norm).astype(pdtype, copy=False),
+        ),
     )

@@ -1,13 +1,15 @@
 r"""Root-mean-square layer normalization (Zhang and Sennrich, 2019): forward and backward."""
 
+import math
+
 from . import _validate as check
 from ._backend import accumulation_dtype, get_array_module, select
-from ._rows import as_rows, param_row
+from ._rows import as_rows, direct_out, fill_out, param_row
 
 __all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
 
 
-def rms_norm(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0):
+def rms_norm(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0, out=None):
     r"""RMS normalization of ``x`` over its last ``normalized_ndim`` axes; returns ``y`` only.
 
     .. math::
@@ -27,6 +29,8 @@ def rms_norm(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0):
     weight_offset : float, default 0.0
         Keyword only. The gain is ``weight_offset + weight`` (Gemma's zero-centred gain with
         1.0); 0 when ``weight`` is None.
+    out : ndarray, optional
+        Keyword only. An array of the shape and dtype of ``x`` to write ``y`` into (returned).
 
     Returns
     -------
@@ -43,12 +47,22 @@ def rms_norm(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0):
     Same as ``rms_norm_forward(...)[0]``. Covered in :doc:`/book/04_variants`, section
     "RMSNorm".
     """
+    if out is not None:
+        xp = get_array_module(x=x, weight=weight)
+        x = check.float_array(x, "x", xp)
+        check.out_arrays(out, xp, [("y", x.shape, x.dtype)], single=True)
+        out = (out, None)
     return rms_norm_forward(
-        x, weight, eps=eps, normalized_ndim=normalized_ndim, weight_offset=weight_offset
+        x,
+        weight,
+        eps=eps,
+        normalized_ndim=normalized_ndim,
+        weight_offset=weight_offset,
+        out=out,
     )[0]
 
 
-def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0):
+def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0, out=None):
     r"""RMSNorm forward pass: rescale each row by its root mean square, without centring.
 
     .. math::
@@ -70,6 +84,10 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
         Keyword only. The gain is ``weight_offset + weight``: ``1.0`` with a weight
         initialised at zero is Gemma's RMSNorm (zero-centred gain). Must be 0 when
         ``weight`` is None.
+    out : tuple of 2 (ndarray or None), optional
+        Keyword only. Arrays to write ``y`` and ``rstd`` into, each of exactly the shape and
+        dtype of its result (a None entry is allocated); they are returned. An array that
+        overlaps an input receives the result computed from the unmodified input.
 
     Returns
     -------
@@ -86,7 +104,8 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
     ValueError
         ``weight`` not of shape ``norm``; ``eps`` negative or not finite; ``normalized_ndim``
         outside ``1..x.ndim``; an empty normalized axis; ``weight_offset`` not finite, or
-        nonzero without a ``weight``.
+        nonzero without a ``weight``; an ``out`` array of another shape or dtype than its
+        result, read-only, or sharing memory with another.
 
     Notes
     -----
@@ -104,13 +123,16 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
     norm = x.shape[x.ndim - k :]
     weight = check.optional_param(weight, "weight", norm, xp)
     offset = check.weight_offset_value(weight_offset, weight)
+    acc, lead = accumulation_dtype(x.dtype), x.shape[: x.ndim - k]
+    out = check.out_arrays(out, xp, [("y", x.shape, x.dtype), ("rstd", lead, acc)])
     forward_rows = select("rms_norm_forward", xp, x.dtype)
-    acc = accumulation_dtype(x.dtype)
-    y, rstd = forward_rows(as_rows(x, k), param_row(weight, acc, offset), eps=eps)
-    return y.reshape(x.shape), rstd.reshape(x.shape[: x.ndim - k])
+    m, n = math.prod(lead), math.prod(norm)
+    kwargs, direct = direct_out(forward_rows, out, ((m, n), (m,)), (x, weight), xp)
+    y, rstd = forward_rows(as_rows(x, k), param_row(weight, acc, offset), eps=eps, **kwargs)
+    return fill_out(out, direct, (y.reshape(x.shape), rstd.reshape(lead)))
 
 
-def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0):
+def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0, out=None):
     r"""RMSNorm backward pass.
 
     With :math:`\hat{x} = x\,\mathrm{rstd}` and :math:`g = dy\,\gamma`, per row
@@ -135,6 +157,9 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0):
     weight_offset : float, default 0.0
         Keyword only; the forward's ``weight_offset``. ``dweight`` has the same form for any
         offset.
+    out : tuple of 2 (ndarray or None), optional
+        Keyword only. Arrays to write ``dx`` and ``dweight`` into, as in
+        :func:`lnlib.layer_norm_backward`.
 
     Returns
     -------
@@ -159,13 +184,19 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0):
     norm = x.shape[x.ndim - k :]
     weight = check.optional_param(weight, "weight", norm, xp)
     offset = check.weight_offset_value(weight_offset, weight)
+    pdtype = x.dtype if weight is None else weight.dtype
+    out = check.out_arrays(out, xp, [("dx", x.shape, x.dtype), ("dweight", norm, pdtype)])
     backward_rows = select("rms_norm_backward", xp, x.dtype)
     acc = accumulation_dtype(x.dtype)
+    m, n = rstd.size, math.prod(norm)
+    kwargs, direct = direct_out(backward_rows, out, ((m, n), (n,)), (dy, x, rstd, weight), xp)
     dx, dweight = backward_rows(
         as_rows(dy, k),
         as_rows(x, k),
         rstd.reshape(-1).astype(acc, copy=False),
         param_row(weight, acc, offset),
+        **kwargs,
     )
-    pdtype = x.dtype if weight is None else weight.dtype
-    return dx.reshape(x.shape), dweight.reshape(norm).astype(pdtype, copy=False)
+    return fill_out(
+        out, direct, (dx.reshape(x.shape), dweight.reshape(norm).astype(pdtype, copy=False))
+    )

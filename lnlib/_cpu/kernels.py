@@ -302,7 +302,25 @@ def _block_of(start):
     return start // rows
 
 
-def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
+def _take(out, i, shape, dtype):
+    """``out[i]`` (a checked array the caller gave for this result), or a new array."""
+    a = None if out is None else out[i]
+    return np.empty(shape, dtype=dtype) if a is None else a
+
+
+def _writes_out(*results):
+    """Mark a row function that writes the given results (by position) into the arrays of its
+    ``out=`` keyword (:func:`lnlib._rows.direct_out` reads the mark)."""
+
+    def mark(fn):
+        fn.writes_out = results
+        return fn
+
+    return mark
+
+
+@_writes_out(0, 1, 2)
+def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     """LayerNorm forward of rows with the compiled kernel.
 
     Parameters
@@ -316,6 +334,10 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
     threads : int, optional
         Chunks of rows run in this many threads (default: the cores available); the results
         do not depend on it.
+    out : tuple of (ndarray or None), optional
+        Arrays to write ``y``, ``mean`` and ``rstd`` into (contiguous, of the result's shape
+        and dtype, overlapping no input: the public functions check); None entries are
+        allocated.
 
     Returns
     -------
@@ -326,10 +348,10 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
     fn = _c_function("layer_norm_forward", x.dtype)
     x = _rows(x, x.dtype)
     weight, bias = _vector(weight, n, x.dtype, 1), _vector(bias, n, x.dtype, 0)
-    y = np.empty((m, n), dtype=x.dtype)  # (M, D)
+    y = _take(out, 0, (m, n), x.dtype)  # (M, D)
     # mean and rstd in buffers of their own: a caller that keeps only rstd (the backward from
     # the output) must not keep mean alive with it
-    mean, rstd = np.empty(m, dtype=x.dtype), np.empty(m, dtype=x.dtype)  # (M,), (M,)
+    mean, rstd = _take(out, 1, m, x.dtype), _take(out, 2, m, x.dtype)  # (M,), (M,)
     p_x, p_w, p_b = _pointer(x), _pointer(weight), _pointer(bias)
     p_y, p_mean = _pointer(y, writable=True), _pointer(mean, writable=True)
     p_rstd = _pointer(rstd, writable=True)
@@ -353,7 +375,8 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None):
     return y, mean, rstd
 
 
-def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
+@_writes_out(0)
+def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=None):
     """LayerNorm backward of rows with the compiled kernel.
 
     Parameters
@@ -366,6 +389,9 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
         None means ones.
     threads : int, optional
         As in :func:`layer_norm_forward_rows`; the results do not depend on it.
+    out : tuple, optional
+        ``(dx, None, None)``: an array to write ``dx`` into (the parameter gradients are
+        always new arrays).
 
     Returns
     -------
@@ -378,7 +404,7 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
     x, dy = _rows(x, x.dtype), _rows(dy, x.dtype)
     mean, rstd = (np.ascontiguousarray(a, dtype=x.dtype) for a in (mean, rstd))  # (M,)
     weight = _vector(weight, n, x.dtype, 1)
-    dx = np.empty((m, n), dtype=x.dtype)  # (M, D)
+    dx = _take(out, 0, (m, n), x.dtype)  # (M, D)
     blocks = _column_blocks(m, n, 2)  # (2, blocks, D) float64: dweight's, then dbias's
     p_dy, p_x, p_mean, p_rstd, p_w = (_pointer(a) for a in (dy, x, mean, rstd, weight))
     p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)
@@ -407,7 +433,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None):
     return dx, dweight, dbias
 
 
-def rms_norm_forward_rows(x, weight, eps, *, threads=None):
+@_writes_out(0, 1)
+def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
     """RMSNorm forward of rows with the compiled kernel.
 
     Parameters
@@ -419,6 +446,8 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None):
         Added to the mean square.
     threads : int, optional
         As in :func:`layer_norm_forward_rows`; the results do not depend on it.
+    out : tuple, optional
+        Arrays to write ``y`` and ``rstd`` into, or None entries.
 
     Returns
     -------
@@ -429,7 +458,7 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None):
     fn = _c_function("rms_norm_forward", x.dtype)
     x = _rows(x, x.dtype)
     weight = _vector(weight, n, x.dtype, 1)
-    y, rstd = np.empty((m, n), dtype=x.dtype), np.empty(m, dtype=x.dtype)  # (M, D), (M,)
+    y, rstd = _take(out, 0, (m, n), x.dtype), _take(out, 1, m, x.dtype)  # (M, D), (M,)
     p_x, p_w = _pointer(x), _pointer(weight)
     p_y, p_rstd = _pointer(y, writable=True), _pointer(rstd, writable=True)
     ld = _ld(x)
@@ -441,7 +470,8 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None):
     return y, rstd
 
 
-def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None):
+@_writes_out(0)
+def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     """RMSNorm backward of rows with the compiled kernel.
 
     Parameters
@@ -453,6 +483,8 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None):
         None means ones.
     threads : int, optional
         As in :func:`layer_norm_forward_rows`; the results do not depend on it.
+    out : tuple, optional
+        ``(dx, None)``: an array to write ``dx`` into.
 
     Returns
     -------
@@ -464,7 +496,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None):
     x, dy = _rows(x, x.dtype), _rows(dy, x.dtype)
     rstd = np.ascontiguousarray(rstd, dtype=x.dtype)  # (M,)
     weight = _vector(weight, n, x.dtype, 1)
-    dx = np.empty((m, n), dtype=x.dtype)  # (M, D)
+    dx = _take(out, 0, (m, n), x.dtype)  # (M, D)
     blocks = _column_blocks(m, n)  # (1, blocks, D) float64
     p_dy, p_x, p_rstd, p_w = (_pointer(a) for a in (dy, x, rstd, weight))
     p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)

@@ -1,0 +1,159 @@
+"""``out=`` of the LayerNorm and RMSNorm functions: results written into the caller's arrays.
+
+The written results are bitwise those of the allocating call, on every CPU path and dtype;
+the kernel writes in place (no array of the output's size is allocated); arrays that cannot
+be written in place (strided, overlapping an input) still receive the right result; and a
+bad ``out`` is refused, naming it, before anything is written.
+"""
+
+import re
+
+import numpy as np
+import pytest
+from conftest import peak_bytes
+
+import lnlib
+
+DTYPES = [np.float16, np.float32, np.float64]
+ACC = {np.float16: np.float32, np.float32: np.float32, np.float64: np.float64}
+
+
+def _inputs(rng, dtype, shape=(6, 5, 33)):
+    x = (rng.standard_normal(shape) * 2 + 3).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    w = rng.standard_normal(shape[-1]).astype(dtype)
+    b = rng.standard_normal(shape[-1]).astype(dtype)
+    return x, dy, w, b
+
+
+def _like(results):
+    """Fresh arrays of the results' shapes and dtypes, filled with NaN (so a result that is
+    not written shows)."""
+    return tuple(np.full(r.shape, np.nan, dtype=r.dtype) for r in results)
+
+
+def _calls(x, dy, w, b):
+    """Each function with ``out`` as a tuple, as ``name -> call(out)``."""
+    mean, rstd = lnlib.layer_norm_forward(x, w, b)[1:]
+    rrstd = lnlib.rms_norm_forward(x, w)[1]
+    return {
+        "layer_norm_forward": lambda out=None: lnlib.layer_norm_forward(x, w, b, out=out),
+        "layer_norm_backward": lambda out=None: lnlib.layer_norm_backward(
+            dy, x, mean, rstd, w, out=out
+        ),
+        "rms_norm_forward": lambda out=None: lnlib.rms_norm_forward(x, w, out=out),
+        "rms_norm_backward": lambda out=None: lnlib.rms_norm_backward(dy, x, rrstd, w, out=out),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_results_written_into_out_are_the_allocated_results(cpu_path, rng, dtype):
+    for name, call in _calls(*_inputs(rng, dtype)).items():
+        want = call()
+        out = _like(want)
+        got = call(out)
+        for i, (g, o, w) in enumerate(zip(got, out, want)):
+            assert g is o, f"{name}: result {i} is not the out array"
+            np.testing.assert_array_equal(o, w, err_msg=f"{name} result {i} {cpu_path}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_none_entries_are_allocated(cpu_path, rng, dtype):
+    for name, call in _calls(*_inputs(rng, dtype)).items():
+        want = call()
+        out = (np.full(want[0].shape, np.nan, dtype=want[0].dtype),) + (None,) * (len(want) - 1)
+        got = call(out)
+        assert got[0] is out[0], name
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def test_single_result_functions_take_one_array(cpu_path, rng):
+    x, _, w, b = _inputs(rng, np.float32)
+    for fn, args in ((lnlib.layer_norm, (x, w, b)), (lnlib.rms_norm, (x, w))):
+        want = fn(*args)
+        out = np.full_like(x, np.nan)
+        assert fn(*args, out=out) is out
+        np.testing.assert_array_equal(out, want)
+
+
+def test_strided_out_gets_the_same_result(cpu_path, rng):
+    x, dy, w, b = _inputs(rng, np.float32)
+    want = lnlib.layer_norm_forward(x, w, b)
+    big = np.full((x.shape[0], x.shape[1], 2 * x.shape[2]), np.nan, dtype=x.dtype)
+    y = big[:, :, ::2]  # every other element: not contiguous
+    mean, rstd = np.empty_like(want[1]), np.empty_like(want[2])
+    got = lnlib.layer_norm_forward(x, w, b, out=(y, mean, rstd))
+    assert got[0] is y
+    np.testing.assert_array_equal(y, want[0])
+    assert np.isnan(big[:, :, 1::2]).all(), "wrote outside the out array"
+
+
+def test_out_may_overlap_the_input(cpu_path, rng):
+    """In place: the result is computed from the input as it was, as without ``out``."""
+    x, dy, w, b = _inputs(rng, np.float32)
+    want = lnlib.layer_norm(x, w, b)
+    x2 = x.copy()
+    assert lnlib.layer_norm(x2, w, b, out=x2) is x2
+    np.testing.assert_array_equal(x2, want)
+    mean, rstd = lnlib.layer_norm_forward(x, w, b)[1:]
+    want_dx = lnlib.layer_norm_backward(dy, x, mean, rstd, w)[0]
+    dy2 = dy.copy()
+    got = lnlib.layer_norm_backward(dy2, x, mean, rstd, w, out=(dy2, None, None))
+    assert got[0] is dy2
+    np.testing.assert_array_equal(dy2, want_dx)
+    r = lnlib.rms_norm_forward(x, w)
+    x3 = x.copy()
+    lnlib.rms_norm_forward(x3, w, out=(x3, None))
+    np.testing.assert_array_equal(x3, r[0])
+
+
+def test_kernel_writes_in_place_without_allocating_the_output(rng):
+    """With ``out``, no array the size of y (or dx) is allocated: the kernel writes into it."""
+    if not lnlib.show_config(file=False)["implementations"]["kernel"]["available"]:
+        pytest.skip("compiled kernel not available")
+    x = rng.standard_normal((512, 1024)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    w = np.ones(1024, np.float32)
+    y, mean, rstd = lnlib.layer_norm_forward(x, w, w)
+    out = (np.empty_like(y), np.empty_like(mean), np.empty_like(rstd))
+    assert peak_bytes(lnlib.layer_norm_forward, x, w, w) >= x.nbytes
+    assert peak_bytes(lnlib.layer_norm_forward, x, w, w, out=out) < x.nbytes / 8
+    dx_out = (np.empty_like(x), None, None)
+    assert peak_bytes(lnlib.layer_norm_backward, dy, x, mean, rstd, w, out=dx_out) < x.nbytes / 8
+    rout = (np.empty_like(y), np.empty_like(rstd))
+    assert peak_bytes(lnlib.rms_norm_forward, x, w, out=rout) < x.nbytes / 8
+    rdx = (np.empty_like(x), None)
+    assert peak_bytes(lnlib.rms_norm_backward, dy, x, rstd, w, out=rdx) < x.nbytes / 8
+
+
+def _bad_outs(x, mean):
+    """(out, exception, words the message must contain) for layer_norm_forward."""
+    y, m, r = np.empty_like(x), np.empty_like(mean), np.empty_like(mean)
+    ro = np.empty_like(x)
+    ro.flags.writeable = False
+    return [
+        (y, TypeError, "out must be a tuple of 3"),
+        ((y, m), TypeError, "length 2"),
+        ((y.tolist(), m, r), TypeError, "out[0] (y) must be a numpy.ndarray"),
+        ((y[:-1], m, r), ValueError, "out[0] (y) must have shape"),
+        ((y, m.astype(np.float64), r), ValueError, "out[1] (mean) must have shape"),
+        ((ro, m, r), ValueError, "out[0] (y) is read-only"),
+        ((y, m, m), ValueError, "out[1] (mean) and out[2] (rstd) share memory"),
+    ]
+
+
+def test_bad_out_is_refused_before_anything_is_written(cpu_path, rng):
+    x, dy, w, b = _inputs(rng, np.float32)
+    mean = lnlib.layer_norm_forward(x, w, b)[1]
+    for out, exc, words in _bad_outs(x, mean):
+        with pytest.raises(exc, match=re.escape(words)):
+            lnlib.layer_norm_forward(x, w, b, out=out)
+    y, m, r = np.full_like(x, 7.0), np.empty_like(mean), np.empty_like(mean)
+    with pytest.raises(ValueError, match=r"out\[2\] \(rstd\)"):
+        lnlib.layer_norm_forward(x, w, b, out=(y, m, r[:-1]))
+    assert (y == 7.0).all(), "y was written although out[2] was refused"
+    with pytest.raises(ValueError, match=r"out must have shape"):
+        lnlib.layer_norm(x, w, b, out=np.empty((2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"out\[1\] \(dweight\) must have shape"):
+        lnlib.rms_norm_backward(dy, x, mean, w, out=(np.empty_like(x), np.empty(3, np.float32)))
