@@ -21,7 +21,8 @@ in the accumulation dtype (:func:`accumulation_dtype`). Row ``i`` of a result de
 
 Implementations are registered by name; a device adds one with one :func:`register` line:
 
-* ``"kernel"``: the compiled C kernel (:mod:`lnlib._cpu.kernels`), float32 and float64;
+* ``"kernel"``: the compiled C kernel (:mod:`lnlib._cpu.kernels`), float16, float32 and
+  float64;
 * ``"numpy"``: the blocked NumPy fast path (:mod:`lnlib._cpu.numpy_rows`), every dtype;
 * ``"reference"``: the readable formulas of :mod:`lnlib.reference`, NumPy or CuPy;
 * ``"cuda"``: CUDA kernels through CuPy (:mod:`lnlib._cuda.rows`), where a GPU is present.
@@ -78,7 +79,7 @@ register(
     "kernel",
     "lnlib._cpu.kernels",
     array_module="numpy",
-    dtypes=(_F32, _F64),
+    dtypes=(_F16, _F32, _F64),
     description="compiled C kernel (lnlib/kernels/norms_cpu.c)",
 )
 register(
@@ -297,8 +298,8 @@ def use_implementation(name):
     Parameters
     ----------
     name : {"auto", "kernel", "numpy", "reference", "cuda"}
-        ``"auto"`` (the default outside any block): the compiled C kernel for float32 and
-        float64 NumPy input where it is available, the NumPy fast path otherwise, the CUDA
+        ``"auto"`` (the default outside any block): the compiled C kernel for NumPy input
+        (float16, float32, float64) where it is available, the NumPy fast path otherwise, the CUDA
         kernels (or the reference) for CuPy input. ``"kernel"``: the compiled C kernel.
         ``"numpy"``: the blocked NumPy fast path. ``"reference"``: the readable formulas of
         ``lnlib.reference`` (NumPy or CuPy). ``"cuda"``: the CUDA kernels (CuPy input).
@@ -313,8 +314,8 @@ def use_implementation(name):
     ValueError
         ``name`` is not one of the names above (raised when the block is entered).
     TypeError
-        Inside the block, a call whose input the forced implementation cannot take: the
-        kernel with float16, a NumPy implementation with CuPy arrays, or the reverse.
+        Inside the block, a call whose input the forced implementation cannot take: a
+        NumPy implementation with CuPy arrays, or the reverse.
     RuntimeError
         Inside the block, a call when the forced implementation is not available here (for
         example no C compiler, or ``LNLIB_CPU_KERNEL=0``); the message gives the reason.

@@ -23,8 +23,8 @@ TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 4e-3}
 def cpu_path(request):
     """Run a test once with the compiled CPU kernel and once with the NumPy fast path.
 
-    On the kernel run, float16 input (which the kernel does not take) goes to the NumPy path
-    as it does by default ("auto").
+    Both take float16, float32 and float64 input (the kernel computes float16 rows with its
+    float32 code, on the rows converted to float32).
     """
     import lnlib
 

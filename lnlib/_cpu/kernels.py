@@ -1,11 +1,13 @@
-r"""The compiled C kernels behind the row signature of :mod:`lnlib._backend` (float32, float64).
+r"""The compiled C kernels behind the row signature of :mod:`lnlib._backend` (float16, float32,
+float64).
 
 The C source is ``lnlib/kernels/norms_cpu.c`` (declarations in ``norms.h``). It is compiled
 when the package is built (``pip install``, ``pip wheel``, the editable install of
 ``make env``) into the extension module ``lnlib._cpu._norms``, bound with cffi, which reads
 ``norms.h``: a call with a missing argument, or an array of the wrong dtype where the C
-function wants ``float *`` or ``double *``, raises ``TypeError``. Nothing is compiled or loaded
-from a cache folder at run time: only the module installed with the package is imported.
+function wants ``float *``, ``double *`` or ``uint16_t *`` (float16), raises ``TypeError``.
+Nothing is compiled or loaded from a cache folder at run time: only the module installed with
+the package is imported.
 
 Where the package was installed without a C compiler (or the module is damaged), lnlib runs
 its NumPy path and says so once, with a :class:`RuntimeWarning`, at first use;
@@ -16,6 +18,11 @@ releases the GIL during the call). Every sum over a row runs in a fixed order th
 the row length only, and the parameter gradients are summed per block of
 ``NORMS_BLOCK_ROWS`` rows and the blocks added pairwise, so results are bitwise the same for
 any batch, thread count or alignment. :data:`PASSES` lists what each kernel does to a row.
+
+float16 rows are, by definition, computed by the float32 kernel: each row is converted to
+float32 (exactly) in a scratch row, and ``y``/``dx`` are rounded once to float16 (to nearest,
+ties to even); ``mean``, ``rstd`` and the parameter gradients are float32, the float32
+kernel's bits (``weight``/``bias`` come in float32, the accumulation dtype).
 
 Covered in the book, chapter "Implementation", section "A compiled kernel".
 """
@@ -90,10 +97,16 @@ PASSES = {
     ),
 }
 
-_CTYPES = {np.dtype(np.float32): ("float", "f32"), np.dtype(np.float64): ("double", "f64")}
+_CTYPES = {
+    np.dtype(np.float16): ("uint16_t", "f16"),  # the C side sees float16's bits
+    np.dtype(np.float32): ("float", "f32"),
+    np.dtype(np.float64): ("double", "f64"),
+}
 _CDECL = {dtype: f"{ctype}[]" for dtype, (ctype, _) in _CTYPES.items()}
+#: The dtype of mean, rstd, weight, bias and the parameter gradients, by the dtype of x.
+_ACC = {dtype: np.dtype(np.float64 if dtype == np.float64 else np.float32) for dtype in _CTYPES}
 _FILLED = {}  # read-only ones and zeros for absent parameters, by (D, dtype, value)
-_FUNCTIONS = [f"{op}_{suffix}" for op in PASSES for suffix in ("f32", "f64")]
+_FUNCTIONS = [f"{op}_{suffix}" for op in PASSES for suffix in ("f16", "f32", "f64")]
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _lock = threading.Lock()
 _state = {"module": None, "loaded": False, "reason": "not loaded yet", "path": None}
@@ -116,7 +129,8 @@ def _load():
         return None, f"extension module {spec.origin} cannot be imported ({exc})"
     missing = [
         f
-        for f in _FUNCTIONS + ["sum_blocks_pairwise", "norms_kernel_version"]
+        for f in _FUNCTIONS
+        + ["sum_blocks_pairwise", "norms_kernel_version", "norms_half_conversion"]
         if not hasattr(getattr(module, "lib", None), f)
     ]
     if missing:
@@ -193,18 +207,24 @@ def info():
     -------
     dict
         ``{"kernel": bool, "reason": str, "path": str or None, "version": str or None,
-        "flags": list of str, "source": str}``: ``path`` is the loaded extension module,
-        ``version`` the vector width the loader picked for this CPU (``"avx512f"``,
-        ``"avx2"`` or ``"default"``; every version gives the same bits), ``flags`` the
-        compiler flags it was built with, ``source`` the C file, relative to the package.
+        "float16": str or None, "flags": list of str, "source": str}``: ``path`` is the
+        loaded extension module, ``version`` the vector width the loader picked for this CPU
+        (``"avx512f"``, ``"avx2"`` or ``"default"``; every version gives the same bits),
+        ``float16`` how the float16 kernels convert (``"f16c"``: the x86-64 instructions;
+        ``"_Float16"``: the compiler's type; ``"portable"``: bit operations; the same bits),
+        ``flags`` the compiler flags it was built with, ``source`` the C file, relative to
+        the package.
     """
     module = _module()
-    version = None if module is None else module.ffi.string(module.lib.norms_kernel_version())
+    lib = None if module is None else module.lib
+    version = None if lib is None else module.ffi.string(lib.norms_kernel_version()).decode()
+    half = None if lib is None else module.ffi.string(lib.norms_half_conversion()).decode()
     return {
         "kernel": module is not None,
         "reason": _state["reason"],
         "path": _state["path"],
-        "version": None if version is None else version.decode(),
+        "version": version,
+        "float16": half,
         "flags": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
         "source": "kernels/norms_cpu.c",
     }
@@ -232,7 +252,8 @@ def _c_function(op, dtype):
 
 
 def _pointer(a, writable=False):
-    """A typed C pointer to the first element of ``a``: ``float *`` or ``double *``.
+    """A typed C pointer to the first element of ``a``: ``float *``, ``double *`` or, for
+    float16, ``uint16_t *``.
 
     ``a`` is 1-d contiguous or 2-d with contiguous rows (row stride >= row length); the pointer
     type comes from ``a``'s dtype, so cffi rejects an array of the wrong dtype.
@@ -308,6 +329,13 @@ def _take(out, i, shape, dtype):
     return np.empty(shape, dtype=dtype) if a is None else a
 
 
+def _ok(status):
+    """Check a kernel's return: the float16 kernels return 1 when their scratch rows cannot be
+    allocated (the float32 and float64 ones return nothing)."""
+    if status:
+        raise MemoryError("lnlib: the float16 kernel could not allocate its scratch rows")
+
+
 def _writes_out(*results):
     """Mark a row function that writes the given results (by position) into the arrays of its
     ``out=`` keyword (:func:`lnlib._rows.direct_out` reads the mark)."""
@@ -325,10 +353,11 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
 
     Parameters
     ----------
-    x : ndarray (M, D), float32 or float64
+    x : ndarray (M, D), float16, float32 or float64
         Rows; contiguous rows are read in place, other layouts are copied.
-    weight, bias : ndarray (D,) of the dtype of ``x``, or None
-        None means ones and zeros.
+    weight, bias : ndarray (D,), or None
+        Converted to the accumulation dtype (float32 for float16 ``x``, else the dtype of
+        ``x``); None means ones and zeros.
     eps : float
         Added to the variance.
     threads : int, optional
@@ -342,33 +371,35 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     Returns
     -------
     y : ndarray (M, D), dtype of ``x``
-    mean, rstd : ndarray (M,), dtype of ``x``
+    mean, rstd : ndarray (M,), the accumulation dtype
     """
     m, n = x.shape
     fn = _c_function("layer_norm_forward", x.dtype)
-    x = _rows(x, x.dtype)
-    weight, bias = _vector(weight, n, x.dtype, 1), _vector(bias, n, x.dtype, 0)
+    x, acc = _rows(x, x.dtype), _ACC[x.dtype]
+    weight, bias = _vector(weight, n, acc, 1), _vector(bias, n, acc, 0)
     y = _take(out, 0, (m, n), x.dtype)  # (M, D)
     # mean and rstd in buffers of their own: a caller that keeps only rstd (the backward from
     # the output) must not keep mean alive with it
-    mean, rstd = _take(out, 1, m, x.dtype), _take(out, 2, m, x.dtype)  # (M,), (M,)
+    mean, rstd = _take(out, 1, m, acc), _take(out, 2, m, acc)  # (M,), (M,)
     p_x, p_w, p_b = _pointer(x), _pointer(weight), _pointer(bias)
     p_y, p_mean = _pointer(y, writable=True), _pointer(mean, writable=True)
     p_rstd = _pointer(rstd, writable=True)
     ld = _ld(x)
 
     def chunk(start, stop, _block_rows):
-        fn(
-            p_x + start * ld,
-            ld,
-            p_w,
-            p_b,
-            p_y + start * n,
-            p_mean + start,
-            p_rstd + start,
-            stop - start,
-            n,
-            eps,
+        _ok(
+            fn(
+                p_x + start * ld,
+                ld,
+                p_w,
+                p_b,
+                p_y + start * n,
+                p_mean + start,
+                p_rstd + start,
+                stop - start,
+                n,
+                eps,
+            )
         )
 
     run_chunks(m, n, chunk, block_rows=1, threads=threads)
@@ -381,12 +412,13 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
 
     Parameters
     ----------
-    dy, x : ndarray (M, D), float32 or float64
+    dy, x : ndarray (M, D), float16, float32 or float64
         Gradient of the output and the forward input (dtype of ``x``).
     mean, rstd : ndarray (M,)
-        From the forward; converted to the dtype of ``x``.
+        From the forward; converted to the accumulation dtype (float32 for float16 ``x``,
+        else the dtype of ``x``).
     weight : ndarray (D,) or None
-        None means ones.
+        Converted to the accumulation dtype; None means ones.
     threads : int, optional
         As in :func:`layer_norm_forward_rows`; the results do not depend on it.
     out : tuple, optional
@@ -396,14 +428,14 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
     Returns
     -------
     dx : ndarray (M, D), dtype of ``x``
-    dweight, dbias : ndarray (D,), dtype of ``x``
+    dweight, dbias : ndarray (D,), the accumulation dtype
         Column sums accumulated in float64 per block of rows, the blocks added pairwise.
     """
     m, n = x.shape
     fn = _c_function("layer_norm_backward", x.dtype)
-    x, dy = _rows(x, x.dtype), _rows(dy, x.dtype)
-    mean, rstd = (np.ascontiguousarray(a, dtype=x.dtype) for a in (mean, rstd))  # (M,)
-    weight = _vector(weight, n, x.dtype, 1)
+    x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]
+    mean, rstd = (np.ascontiguousarray(a, dtype=acc) for a in (mean, rstd))  # (M,)
+    weight = _vector(weight, n, acc, 1)
     dx = _take(out, 0, (m, n), x.dtype)  # (M, D)
     blocks = _column_blocks(m, n, 2)  # (2, blocks, D) float64: dweight's, then dbias's
     p_dy, p_x, p_mean, p_rstd, p_w = (_pointer(a) for a in (dy, x, mean, rstd, weight))
@@ -413,23 +445,25 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
 
     def chunk(start, stop, _block_rows):
         b = _block_of(start)
-        fn(
-            p_dy + start * ld_dy,
-            ld_dy,
-            p_x + start * ld_x,
-            ld_x,
-            p_mean + start,
-            p_rstd + start,
-            p_w,
-            p_dx + start * n,
-            p_dw + b * n,
-            p_db + b * n,
-            stop - start,
-            n,
+        _ok(
+            fn(
+                p_dy + start * ld_dy,
+                ld_dy,
+                p_x + start * ld_x,
+                ld_x,
+                p_mean + start,
+                p_rstd + start,
+                p_w,
+                p_dx + start * n,
+                p_dw + b * n,
+                p_db + b * n,
+                stop - start,
+                n,
+            )
         )
 
     run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
-    dweight, dbias = _column_totals(blocks, p_dw, x.dtype)
+    dweight, dbias = _column_totals(blocks, p_dw, acc)
     return dx, dweight, dbias
 
 
@@ -439,9 +473,10 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
 
     Parameters
     ----------
-    x : ndarray (M, D), float32 or float64
+    x : ndarray (M, D), float16, float32 or float64
     weight : ndarray (D,) or None
-        None means ones.
+        Converted to the accumulation dtype (float32 for float16 ``x``, else the dtype of
+        ``x``); None means ones.
     eps : float
         Added to the mean square.
     threads : int, optional
@@ -452,19 +487,19 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
     Returns
     -------
     y : ndarray (M, D), dtype of ``x``
-    rstd : ndarray (M,), dtype of ``x``
+    rstd : ndarray (M,), the accumulation dtype
     """
     m, n = x.shape
     fn = _c_function("rms_norm_forward", x.dtype)
-    x = _rows(x, x.dtype)
-    weight = _vector(weight, n, x.dtype, 1)
-    y, rstd = _take(out, 0, (m, n), x.dtype), _take(out, 1, m, x.dtype)  # (M, D), (M,)
+    x, acc = _rows(x, x.dtype), _ACC[x.dtype]
+    weight = _vector(weight, n, acc, 1)
+    y, rstd = _take(out, 0, (m, n), x.dtype), _take(out, 1, m, acc)  # (M, D), (M,)
     p_x, p_w = _pointer(x), _pointer(weight)
     p_y, p_rstd = _pointer(y, writable=True), _pointer(rstd, writable=True)
     ld = _ld(x)
 
     def chunk(start, stop, _block_rows):
-        fn(p_x + start * ld, ld, p_w, p_y + start * n, p_rstd + start, stop - start, n, eps)
+        _ok(fn(p_x + start * ld, ld, p_w, p_y + start * n, p_rstd + start, stop - start, n, eps))
 
     run_chunks(m, n, chunk, block_rows=1, threads=threads)
     return y, rstd
@@ -476,11 +511,12 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
 
     Parameters
     ----------
-    dy, x : ndarray (M, D), float32 or float64
+    dy, x : ndarray (M, D), float16, float32 or float64
     rstd : ndarray (M,)
-        From the forward.
+        From the forward; converted to the accumulation dtype (float32 for float16 ``x``,
+        else the dtype of ``x``).
     weight : ndarray (D,) or None
-        None means ones.
+        Converted to the accumulation dtype; None means ones.
     threads : int, optional
         As in :func:`layer_norm_forward_rows`; the results do not depend on it.
     out : tuple, optional
@@ -489,13 +525,13 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     Returns
     -------
     dx : ndarray (M, D), dtype of ``x``
-    dweight : ndarray (D,), dtype of ``x``
+    dweight : ndarray (D,), the accumulation dtype
     """
     m, n = x.shape
     fn = _c_function("rms_norm_backward", x.dtype)
-    x, dy = _rows(x, x.dtype), _rows(dy, x.dtype)
-    rstd = np.ascontiguousarray(rstd, dtype=x.dtype)  # (M,)
-    weight = _vector(weight, n, x.dtype, 1)
+    x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]
+    rstd = np.ascontiguousarray(rstd, dtype=acc)  # (M,)
+    weight = _vector(weight, n, acc, 1)
     dx = _take(out, 0, (m, n), x.dtype)  # (M, D)
     blocks = _column_blocks(m, n)  # (1, blocks, D) float64
     p_dy, p_x, p_rstd, p_w = (_pointer(a) for a in (dy, x, rstd, weight))
@@ -504,18 +540,20 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
 
     def chunk(start, stop, _block_rows):
         b = _block_of(start)
-        fn(
-            p_dy + start * ld_dy,
-            ld_dy,
-            p_x + start * ld_x,
-            ld_x,
-            p_rstd + start,
-            p_w,
-            p_dx + start * n,
-            p_dw + b * n,
-            stop - start,
-            n,
+        _ok(
+            fn(
+                p_dy + start * ld_dy,
+                ld_dy,
+                p_x + start * ld_x,
+                ld_x,
+                p_rstd + start,
+                p_w,
+                p_dx + start * n,
+                p_dw + b * n,
+                stop - start,
+                n,
+            )
         )
 
     run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
-    return dx, _column_totals(blocks, p_dw, x.dtype)[0]
+    return dx, _column_totals(blocks, p_dw, acc)[0]

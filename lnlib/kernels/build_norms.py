@@ -43,7 +43,9 @@ ffibuilder.set_source(
     '#include "norms.h"',
     sources=[_relative(HERE / "norms_cpu.c")],
     include_dirs=[_relative(HERE)],
-    depends=[_relative(HERE / name) for name in ("norms.h", "norms_cpu_typed.h")],
+    depends=[
+        _relative(HERE / name) for name in ("norms.h", "norms_cpu_typed.h", "norms_cpu_half.h")
+    ],
     extra_compile_args=FLAGS,
     libraries=["m"] if os.name == "posix" else [],
     optional=True,

@@ -17,6 +17,7 @@
 #ifndef LNLIB_NORMS_H
 #define LNLIB_NORMS_H
 #include <stddef.h>
+#include <stdint.h>
 
 enum { NORMS_BLOCK_ROWS = 128 };
 
@@ -47,6 +48,28 @@ void rms_norm_backward_f32(const float *dy, ptrdiff_t lddy, const float *x, ptrd
 void rms_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *x, ptrdiff_t ldx,
                            const double *rstd, const double *weight, double *dx,
                            double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
+
+/* float16 (the _f16 kernels, norms_cpu_half.h): x, dy, y and dx hold IEEE binary16 bits
+ * (uint16_t); weight, bias, mean and rstd are float. Each row is converted to float, goes
+ * through the float32 kernel's row functions, and y and dx are rounded to float16 once (to
+ * nearest, ties to even): the results are exactly those of the _f32 kernel on the inputs
+ * converted to float32. They return 0, or 1 when the scratch rows cannot be allocated. */
+int layer_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const float *weight,
+                           const float *bias, uint16_t *y, float *mean, float *rstd,
+                           ptrdiff_t m, ptrdiff_t n, double eps);
+int layer_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *x,
+                            ptrdiff_t ldx, const float *mean, const float *rstd,
+                            const float *weight, uint16_t *dx, double *dweight_blocks,
+                            double *dbias_blocks, ptrdiff_t m, ptrdiff_t n);
+int rms_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const float *weight, uint16_t *y,
+                         float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
+int rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *x, ptrdiff_t ldx,
+                          const float *rstd, const float *weight, uint16_t *dx,
+                          double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
+
+/* How the float16 kernels convert: "f16c" (the x86-64 instructions, where the CPU has
+ * them), "_Float16" (the compiler's type) or "portable" (bit operations); the same bits. */
+const char *norms_half_conversion(void);
 
 /* The version of the kernels the loader picked for this CPU: "avx512f", "avx2" or "default"
  * (the compiler's baseline; the only one where multi-versioning is not available). */

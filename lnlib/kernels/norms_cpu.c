@@ -3,7 +3,8 @@
  * Built into the extension module lnlib._cpu._norms when the package is built
  * (lnlib/kernels/build_norms.py); lnlib/_cpu/kernels.py calls it on chunks of rows, one
  * chunk per thread. Each kernel is written once, in norms_cpu_typed.h, and included below
- * for float and for double.
+ * for float and for double; the float16 kernels (norms_cpu_half.h, included last) convert
+ * rows to float and call the float ones' row functions.
  *
  * A row is read from memory once: the first pass brings it into cache, the later passes
  * find it there. LayerNorm is memory-bound, so the time is set by the bytes moved.
@@ -126,3 +127,6 @@ void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
 #include "norms_cpu_typed.h"
 #undef T
 #undef FN
+
+/* float16: rows converted to float, the float functions above, the outputs rounded back. */
+#include "norms_cpu_half.h"
