@@ -2,6 +2,7 @@
 columns, bitwise invariant to batch, threads and alignment, bound with checked types, and
 described pass by pass by ``lnlib._cpu.kernels.PASSES``."""
 
+import platform
 import re
 import shutil
 from pathlib import Path
@@ -130,6 +131,107 @@ def test_results_do_not_depend_on_threads_batch_or_alignment(kernel, rng, dtype)
         np.testing.assert_array_equal(alone[i][0], base[i][17])
 
 
+# --- float16: by definition the float32 kernel on the rows converted to float32 ---------------
+
+
+def _float32_kernel_rounded(kernel, x, dy, w, b, threads=None):
+    """The float16 definition: every kernel in float32 on ``x``, ``dy`` converted to float32,
+    ``y``/``dx`` rounded to float16; mean, rstd and the parameter gradients as they come."""
+    x32, dy32 = x.astype(np.float32), dy.astype(np.float32)
+    return _all_rows(kernel, x32, dy32, w, b, threads, np.float16)
+
+
+def _all_rows(kernel, x, dy, w, b, threads, round_to=None):
+    """Every row function of ``kernel`` on the same inputs, ``(name, result)`` pairs."""
+    y, mean, rstd = kernel.layer_norm_forward_rows(x, w, b, 1e-5, threads=threads)
+    dx, dw, db = kernel.layer_norm_backward_rows(dy, x, mean, rstd, w, threads=threads)
+    ry, rr = kernel.rms_norm_forward_rows(x, w, 1e-5, threads=threads)
+    rdx, rdw = kernel.rms_norm_backward_rows(dy, x, rr, w, threads=threads)
+    out = {"y": y, "mean": mean, "rstd": rstd, "dx": dx, "dweight": dw, "dbias": db}
+    out.update({"rms_y": ry, "rms_rstd": rr, "rms_dx": rdx, "rms_dweight": rdw})
+    if round_to is not None:
+        with np.errstate(over="ignore"):
+            for k in ("y", "dx", "rms_y", "rms_dx"):
+                out[k] = out[k].astype(round_to)
+    return out
+
+
+def _half_inputs(rng, m, n):
+    """float16 rows (a wide spread of values; two with a large offset), dy, and float32
+    parameters, some of whose weights make y overflow float16 (to inf) in some rows."""
+    x = rng.standard_normal((m, n)) * rng.choice([0.01, 1.0, 300.0], size=(m, 1))
+    x[::3] += 2000.0
+    x = x.astype(np.float16)
+    dy = (rng.standard_normal((m, n)) * 4).astype(np.float16)
+    w, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    w[::97] = 3e4
+    return x, dy, w, b
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 255, 256, 257, 1000, 4099, 8193])
+def test_float16_is_the_float32_kernel_on_converted_rows(kernel, rng, n):
+    m = 301 if n <= 1000 else 5  # odd: a row without a pair; 301 rows span three row blocks
+    x, dy, w, b = _half_inputs(rng, m, n)
+    want = _float32_kernel_rounded(kernel, x, dy, w, b)
+    got = _all_rows(kernel, x, dy, w, b, None)
+    if n > 1:  # overflow to inf is exercised (a row of one element gives y = bias)
+        assert np.isinf(want["y"]).any() and np.isfinite(want["y"]).any()
+    for key, value in got.items():
+        assert value.dtype == want[key].dtype, key
+        np.testing.assert_array_equal(value, want[key], err_msg=f"{key} n={n}")
+    # rows with a gap between them, at an odd address; no weight and bias
+    wide = np.zeros((m, n + 3), np.float16)
+    wide[:, 1 : n + 1] = x
+    got = _all_rows(kernel, wide[:, 1 : n + 1], dy, None, None, None)
+    want = _float32_kernel_rounded(kernel, x, dy, None, None)
+    for key, value in got.items():
+        np.testing.assert_array_equal(value, want[key], err_msg=f"{key} n={n} strided")
+
+
+def test_float16_results_do_not_depend_on_threads_or_batch(kernel, rng):
+    m, n = 1000, 300
+    x, dy, w, b = _half_inputs(rng, m, n)
+    base = _all_rows(kernel, x, dy, w, b, 1)
+    for threads in (2, 3, 7):
+        for key, value in _all_rows(kernel, x, dy, w, b, threads).items():
+            np.testing.assert_array_equal(value, base[key], err_msg=f"{key} threads={threads}")
+    alone = _all_rows(kernel, x[17:18].copy(), dy[17:18].copy(), w, b, 1)
+    for key in ("y", "mean", "rstd", "dx", "rms_y", "rms_rstd", "rms_dx"):
+        np.testing.assert_array_equal(alone[key][0], base[key][17], err_msg=key)
+
+
+def test_float16_public_functions_take_the_kernel(kernel, rng):
+    x, dy, w, b = _half_inputs(rng, 6, 40)
+    assert lnlib._backend.select("layer_norm_forward", np, np.float16) is (
+        kernel.layer_norm_forward_rows
+    )
+    with lnlib.use_implementation("kernel"):
+        forced = lnlib.layer_norm_forward(x, w.astype(np.float16), b.astype(np.float16))
+    y, mean, rstd = lnlib.layer_norm_forward(x, w.astype(np.float16), b.astype(np.float16))
+    want = kernel.layer_norm_forward_rows(
+        x, w.astype(np.float16).astype(np.float32), b.astype(np.float16).astype(np.float32), 1e-5
+    )
+    for got, f, c in zip((y, mean, rstd), forced, want):
+        assert got.dtype == c.dtype and f.dtype == c.dtype
+        np.testing.assert_array_equal(got, c)
+        np.testing.assert_array_equal(f, c)
+
+
+def test_float16_kernel_reports_a_failed_allocation(kernel):
+    lib, ffi = kernels._state["module"].lib, kernels._state["module"].ffi
+    huge = 1 << 60  # scratch rows of this length cannot be allocated; no row is touched (m=0)
+    null = ffi.NULL
+    assert lib.layer_norm_forward_f16(null, huge, null, null, null, null, null, 0, huge, 1e-5)
+    assert lib.rms_norm_forward_f16(null, huge, null, null, null, 0, huge, 1e-5)
+    assert lib.layer_norm_backward_f16(
+        null, huge, null, huge, null, null, null, null, null, null, 0, huge
+    )
+    assert lib.rms_norm_backward_f16(null, huge, null, huge, null, null, null, null, 0, huge)
+    assert lib.rms_norm_forward_f16(null, 1, null, null, null, 0, 1, 1e-5) == 0
+    with pytest.raises(MemoryError, match="scratch"):
+        kernels._ok(1)
+
+
 def test_binding_rejects_wrong_dtypes_and_argument_counts(kernel):
     x = np.ones((2, 4), dtype=np.float32)
     y, mean, rstd = np.empty_like(x), np.empty(2, np.float32), np.empty(2, np.float32)
@@ -208,8 +310,13 @@ def test_passes_cover_every_kernel_in_the_header():
 
 _WIDTHS = {"baseline": [], "avx2": ["-mavx2"], "avx512f": ["-mavx512f"]}
 #: The baseline built without the compiler's vector extension (the plain loops other compilers
-#: get): must give the same bits as the vector code.
-_PLAIN = {"plain_loops": ["-DNORMS_NO_VECTORS"]}
+#: get), and with the float16 conversions of other machines (the compiler's _Float16 instead
+#: of F16C; bit operations): must give the same bits as the vector code.
+_PLAIN = {
+    "plain_loops": ["-DNORMS_NO_VECTORS"],
+    "float16_type": ["-DNORMS_NO_F16C"],
+    "float16_portable": ["-DNORMS_NO_FLOAT16"],
+}
 
 
 def _cpu_flags():
@@ -255,46 +362,45 @@ def _build_variant(tmp_path, name, flags):
     return ffi, ffi.dlopen(str(out))
 
 
+_VARIANT_CTYPES = {np.float16: ("uint16_t", "f16"), np.float32: ("float", "f32")}
+
+
 def _run_variant(ffi, lib, x, w, b, dy):
-    """Every kernel of ``lib`` on the same inputs; returns all outputs."""
-    ctype, suffix = ("float", "f32") if x.dtype == np.float32 else ("double", "f64")
+    """Every kernel of ``lib`` on the same inputs; returns all outputs (float16 rows: float32
+    ``w``, ``b``, mean and rstd)."""
+    ctype, suffix = _VARIANT_CTYPES.get(x.dtype.type, ("double", "f64"))
+    acc = np.float64 if x.dtype == np.float64 else np.float32
     m, n = x.shape
     blocks = -(-m // lib.NORMS_BLOCK_ROWS)
-    out = {
-        k: np.zeros(s, x.dtype)
-        for k, s in (
-            ("y", (m, n)),
-            ("mean", m),
-            ("rstd", m),
-            ("dx", (m, n)),
-            ("ry", (m, n)),
-            ("rrstd", m),
-            ("rdx", (m, n)),
-        )
-    }
+    out = {k: np.zeros((m, n), x.dtype) for k in ("y", "dx", "ry", "rdx")}
+    out.update({k: np.zeros(m, acc) for k in ("mean", "rstd", "rrstd")})
     out.update({k: np.zeros((blocks, n)) for k in ("dw", "db", "rdw")})
-    p = {
-        k: ffi.from_buffer(("double" if k in ("dw", "db", "rdw") else ctype) + "[]", v)
-        for k, v in out.items()
-    }
-    px, pw, pb, pdy = (ffi.from_buffer(ctype + "[]", a) for a in (x, w, b, dy))
-    getattr(lib, f"layer_norm_forward_{suffix}")(
-        px, n, pw, pb, p["y"], p["mean"], p["rstd"], m, n, 1e-5
-    )
-    getattr(lib, f"layer_norm_backward_{suffix}")(
-        pdy, n, px, n, p["mean"], p["rstd"], pw, p["dx"], p["dw"], p["db"], m, n
-    )
-    getattr(lib, f"rms_norm_forward_{suffix}")(px, n, pw, p["ry"], p["rrstd"], m, n, 1e-5)
-    getattr(lib, f"rms_norm_backward_{suffix}")(
-        pdy, n, px, n, p["rrstd"], pw, p["rdx"], p["rdw"], m, n
-    )
+    p = {k: ffi.from_buffer(_CTYPE_OF[v.dtype.type] + "[]", v) for k, v in out.items()}
+    px, pdy = (ffi.from_buffer(ctype + "[]", a) for a in (x, dy))
+    pw, pb = (ffi.from_buffer(_CTYPE_OF[acc] + "[]", a.astype(acc)) for a in (w, b))
+    status = [
+        getattr(lib, f"layer_norm_forward_{suffix}")(
+            px, n, pw, pb, p["y"], p["mean"], p["rstd"], m, n, 1e-5
+        ),
+        getattr(lib, f"layer_norm_backward_{suffix}")(
+            pdy, n, px, n, p["mean"], p["rstd"], pw, p["dx"], p["dw"], p["db"], m, n
+        ),
+        getattr(lib, f"rms_norm_forward_{suffix}")(px, n, pw, p["ry"], p["rrstd"], m, n, 1e-5),
+        getattr(lib, f"rms_norm_backward_{suffix}")(
+            pdy, n, px, n, p["rrstd"], pw, p["rdx"], p["rdw"], m, n
+        ),
+    ]
+    assert not any(status)  # the float16 kernels return 0 (the others nothing)
     return out
+
+
+_CTYPE_OF = {np.float16: "uint16_t", np.float32: "float", np.float64: "double"}
 
 
 def test_every_vector_width_gives_the_same_bits(kernel, tmp_path):
     """The baseline build, the AVX2 and AVX-512 builds (where this CPU runs them), the
-    baseline without vector extensions and the installed multi-version module agree bit for
-    bit."""
+    baseline without vector extensions or with the other float16 conversions, and the
+    installed multi-version module agree bit for bit."""
     flags = _cpu_flags()
     widths = {k: v for k, v in _WIDTHS.items() if k == "baseline" or k in flags}
     if len(widths) < 2:
@@ -303,7 +409,7 @@ def test_every_vector_width_gives_the_same_bits(kernel, tmp_path):
     variants = {k: _build_variant(tmp_path, k, v) for k, v in widths.items()}
     variants["installed"] = (kernel._state["module"].ffi, kernel._state["module"].lib)
     rng = np.random.default_rng(3)
-    for dtype in (np.float32, np.float64):
+    for dtype in (np.float16, np.float32, np.float64):
         for n in (1, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 1000, 4099):
             m = 300 if n < 300 else 3
             x = (rng.standard_normal((m, n)) * 3 + 7).astype(dtype)
@@ -315,3 +421,110 @@ def test_every_vector_width_gives_the_same_bits(kernel, tmp_path):
                     np.testing.assert_array_equal(
                         value, results["baseline"][key], err_msg=f"{name} {key} {dtype} n={n}"
                     )
+
+
+# --- The float16 conversions against NumPy's casts -------------------------------------------
+
+
+def _conversions(ffi, lib):
+    """``(widen, narrow)``: float16 bits -> float32 and float32 -> float16 bits with ``lib``."""
+
+    def widen(h):
+        f = np.empty(h.size, np.float32)
+        lib.norms_half_to_float(
+            ffi.from_buffer("uint16_t[]", h), ffi.from_buffer("float[]", f), h.size
+        )
+        return f
+
+    def narrow(f):
+        h = np.empty(f.size, np.uint16)
+        lib.norms_float_to_half(
+            ffi.from_buffer("float[]", f), ffi.from_buffer("uint16_t[]", h), f.size
+        )
+        return h
+
+    return widen, narrow
+
+
+def _floats_to_narrow(rng):
+    """float32 values where rounding to float16 is delicate: every float16, the midpoints
+    between neighbours (ties) and one float32 step either side, the subnormal range and its
+    edges, the overflow threshold 65520, infinities, NaNs with payloads, random bit patterns."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = np.sort(halves[np.isfinite(halves)].astype(np.float64))
+    mid = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)  # exact in float32
+    edges = np.array(
+        [
+            65504,
+            65519.996,
+            65520,
+            65520.004,
+            65536,
+            1e30,
+            2**-24,
+            2**-25,
+            2**-26,
+            2**-25 * 1.5,
+            2**-14,
+            2**-14 * (1 - 2**-11),
+            np.inf,
+        ],
+        np.float32,
+    )
+    nans = np.array([0x7FC00000, 0x7F800001, 0x7FA00000, 0x7FFFFFFF, 0x7F802000], np.uint32)
+    parts = [
+        finite.astype(np.float32),
+        mid,
+        np.nextafter(mid, np.float32(np.inf)),
+        np.nextafter(mid, np.float32(-np.inf)),
+        edges,
+        rng.uniform(-(2**-13), 2**-13, 100_000).astype(np.float32),
+        rng.integers(0, 1 << 32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        nans.view(np.float32),
+    ]
+    f = np.concatenate(parts)
+    return np.concatenate([f, -f])
+
+
+def _assert_same_half_bits(got, want, what):
+    """float16 bit patterns equal, NaNs excepted: a NaN must stay a NaN of the same sign."""
+    nan = np.isnan(want.view(np.float16))
+    np.testing.assert_array_equal(np.isnan(got.view(np.float16)), nan, err_msg=what)
+    np.testing.assert_array_equal(got[nan] >> 15, want[nan] >> 15, err_msg=what)
+    np.testing.assert_array_equal(got[~nan], want[~nan], err_msg=what)
+
+
+def test_float16_conversions_match_numpy(kernel, tmp_path):
+    """Every conversion path (F16C where this CPU has it, the compiler's _Float16, the bit
+    operations) against NumPy's casts: all 65536 float16 values widened; delicate and random
+    float32 values narrowed (ties to even, subnormals, overflow). NaNs stay NaNs of the same
+    sign (NumPy keeps a signalling NaN signalling, the conversions quiet it) and are the same
+    bits in every path."""
+    paths = {
+        "float16_type": _build_variant(tmp_path, "float16_type", ["-DNORMS_NO_F16C"]),
+        "float16_portable": _build_variant(tmp_path, "float16_portable", ["-DNORMS_NO_FLOAT16"]),
+        "installed": (kernel._state["module"].ffi, kernel._state["module"].lib),
+    }
+    names = {k: ffi.string(lib.norms_half_conversion()).decode() for k, (ffi, lib) in paths.items()}
+    assert names["float16_portable"] == "portable"
+    assert names["float16_type"] in ("_Float16", "portable")  # portable: no _Float16 here
+    if "f16c" in _cpu_flags() and platform.machine() == "x86_64":
+        assert names["installed"] == "f16c"
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    floats = _floats_to_narrow(np.random.default_rng(7))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_wide = halves.view(np.float16).astype(np.float32)
+        want_narrow = floats.astype(np.float16).view(np.uint16)
+    results = {}
+    for name, (ffi, lib) in paths.items():
+        widen, narrow = _conversions(ffi, lib)
+        wide, narrowed = widen(halves), narrow(floats)
+        _assert_same_half_bits(narrowed, want_narrow, f"{name} float32 -> float16")
+        nan = np.isnan(want_wide)
+        np.testing.assert_array_equal(np.isnan(wide), nan, err_msg=name)
+        np.testing.assert_array_equal(np.signbit(wide), np.signbit(want_wide), err_msg=name)
+        np.testing.assert_array_equal(wide.view(np.uint32)[~nan], want_wide.view(np.uint32)[~nan])
+        results[name] = (wide.view(np.uint32), narrowed)
+    for name, (wide, narrowed) in results.items():  # NaNs included: the same bits everywhere
+        np.testing.assert_array_equal(wide, results["float16_portable"][0], err_msg=name)
+        np.testing.assert_array_equal(narrowed, results["float16_portable"][1], err_msg=name)

@@ -70,6 +70,10 @@ int rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *x,
 /* How the float16 kernels convert: "f16c" (the x86-64 instructions, where the CPU has
  * them), "_Float16" (the compiler's type) or "portable" (bit operations); the same bits. */
 const char *norms_half_conversion(void);
+/* n values from float16 bits to float (exact), and from float to float16 bits (to nearest,
+ * ties to even), with that conversion: for the tests. */
+void norms_half_to_float(const uint16_t *h, float *f, ptrdiff_t n);
+void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n);
 
 /* The version of the kernels the loader picked for this CPU: "avx512f", "avx2" or "default"
  * (the compiler's baseline; the only one where multi-versioning is not available). */

@@ -197,6 +197,17 @@ static void floats_to_halves(const float *f, uint16_t *h, ptrdiff_t n, int how)
         h[i] = float_to_half(f[i]);
 }
 
+/* The conversions of this machine, exported for the tests (norms.h). */
+void norms_half_to_float(const uint16_t *h, float *f, ptrdiff_t n)
+{
+    halves_to_floats(h, f, n, half_conversion());
+}
+
+void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
+{
+    floats_to_halves(f, h, n, half_conversion());
+}
+
 /* Scratch rows of a float16 call: `arrays` float arrays (the converted inputs, then the float
  * outputs) of two rows each when rows go in pairs (n <= PAIR_MAX), one otherwise. Array k,
  * row j is at buf + (k rows + j) stride; rows start 64 bytes apart. */
@@ -208,6 +219,8 @@ struct half_scratch {
 
 static int half_scratch_alloc(struct half_scratch *s, int arrays, ptrdiff_t n)
 {
+    if (n > PTRDIFF_MAX / 64 / (2 * arrays)) /* the size would not fit in a ptrdiff_t */
+        return 0;
     s->stride = (n + 15) / 16 * 16;
     s->rows = n <= PAIR_MAX ? 2 : 1;
     s->how = half_conversion();
