@@ -209,12 +209,20 @@ def test_unknown_kernel_setting_is_an_error(monkeypatch):
     assert "LNLIB_CPU_KERNEL must be one of" in config["implementations"]["kernel"]["reason"]
 
 
-def test_use_implementation_names_and_errors():
+def test_use_implementation_names_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="name must be one of .*'numpy'.* got 'fast'"):
         with lnlib.use_implementation("fast"):
             pass
-    with pytest.raises(TypeError, match=r"use_implementation\('kernel'\).*float16"):
-        with lnlib.use_implementation("kernel"):
+    # every implementation takes the three float dtypes; one that did not would say so
+    from dataclasses import replace
+
+    from lnlib import _backend
+
+    narrow = replace(_backend._REGISTRY["numpy"], dtypes=(np.dtype(np.float32),))
+    monkeypatch.setitem(_backend._REGISTRY, "numpy", narrow)
+    monkeypatch.setattr(_backend, "_SELECTED", {})  # choices cached by earlier tests
+    with pytest.raises(TypeError, match=r"use_implementation\('numpy'\).*takes float32.*float16"):
+        with lnlib.use_implementation("numpy"):
             lnlib.layer_norm(X.astype(np.float16))
     with pytest.raises(TypeError, match=r"use_implementation\('cuda'\).*cupy arrays.*numpy"):
         with lnlib.use_implementation("cuda"):
