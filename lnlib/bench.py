@@ -26,8 +26,8 @@ doing nothing but moving its data.
 readable reference; the fused version with preallocated scratch and ``out=`` arguments over
 the whole array in one thread; the same, row-blocked so a block stays in cache across the
 passes; blocked with one thread per core; then the compiled C kernel
-(``lnlib/kernels/norms_cpu.c``, the path the public functions take for float32/float64 when a C
-compiler is available), in one thread and in one thread per core. Every variant is checked
+(``lnlib/kernels/norms_cpu.c``, the path the public functions take when a C compiler is
+available), in one thread and in one thread per core. Every variant is checked
 against the reference before it is timed.
 
 Book: Chapter 5, "Performance".
@@ -284,7 +284,7 @@ def step_variants(x, weight, bias, eps):
         ("row-blocked (1 thread)", lambda: _forward_numpy(x, weight, bias, eps, threads=1)),
         ("row-blocked + threads", lambda: _forward_numpy(x, weight, bias, eps)),
     ]
-    if kernels.available()[0] and x.dtype in (np.float32, np.float64):
+    if kernels.available()[0]:
         steps += [
             ("C kernel (1 thread)", lambda: _forward_kernel(x, weight, bias, eps, threads=1)),
             ("C kernel + threads", lambda: _forward_kernel(x, weight, bias, eps)),
