@@ -210,7 +210,8 @@ void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
 
 /* Scratch rows of a float16 call: `arrays` float arrays (the converted inputs, then the float
  * outputs) of two rows each when rows go in pairs (n <= PAIR_MAX), one otherwise. Array k,
- * row j is at buf + (k rows + j) stride; rows start 64 bytes apart. */
+ * row j is at buf + (k rows + j) stride: every row starts a multiple of 64 bytes after the
+ * first. */
 struct half_scratch {
     float *buf;
     ptrdiff_t stride, rows;
