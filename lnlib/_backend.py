@@ -146,7 +146,9 @@ def get_array_module(**arrays):
 
 def accumulation_dtype(dtype):
     """The dtype statistics are accumulated in: float64 for float64, float32 otherwise."""
-    return _F64 if np.dtype(dtype) == _F64 else _F32
+    if not isinstance(dtype, np.dtype):
+        dtype = np.dtype(dtype)
+    return _F64 if dtype == _F64 else _F32
 
 
 def kernel_setting():

@@ -136,6 +136,8 @@ def add_in_order(groups, n):
 
 def as_rows(x, k):
     """View (or, if the layout requires, copy) ``x`` as a matrix: one row per normalized slice."""
+    if k == 1 and x.ndim == 2:  # already rows: no reshape (a call's overhead counts on small x)
+        return x
     n = math.prod(x.shape[x.ndim - k :])  # a Python int; numpy.prod takes microseconds
     return x.reshape(-1, n)
 
@@ -153,6 +155,8 @@ def param_row(param, dtype, offset=0.0):
     """
     if param is None:
         return None
+    if param.ndim == 1 and param.dtype == dtype and not offset:  # the common case, as it is
+        return param
     row = param.reshape(-1).astype(dtype, copy=False)
     return row + dtype.type(offset) if offset else row
 

@@ -30,6 +30,12 @@ FIELDS = [
     "lnlib_fwdbwd_copy_fraction",
     "max_abs_diff_fwd",
     "max_abs_diff_dx",
+    "lnlib_fwd_out_s",
+    "lnlib_fwdbwd_out_s",
+    "lnlib_fwd_out_bound_fraction",
+    "lnlib_fwdbwd_out_bound_fraction",
+    "lnlib_fwd_fresh_bound_fraction",
+    "lnlib_fwdbwd_fresh_bound_fraction",
 ]
 
 
@@ -59,7 +65,12 @@ def test_quick_run_writes_the_table_fields(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "speedup" in printed and "of copy" in printed and "fwd+bwd" in printed
     data = json.loads(out.read_text())
-    assert data["copy"]["copy_GBps"] > 0 and data["copy"]["bytes"] > 0
+    copy = data["copy"]
+    assert copy["copy_GBps"] > 0 and copy["bytes"] > 0 and copy["fresh_GBps"] > 0
+    assert copy["best_GBps"] == max(
+        copy["copy_GBps"], copy["copy_threads_GBps"], copy["torch_copy_GBps"]
+    )
+    assert "CPU: " in printed and data["machine"]["cpu_model"] in printed
     assert data["machine"]["torch_threads"] >= 1
     assert len(data["results"]) == 4
     for row in data["results"]:
@@ -73,7 +84,16 @@ def test_quick_run_writes_the_table_fields(tmp_path, capsys):
         assert row["lnlib_fwd_copy_fraction"] == pytest.approx(
             row["lnlib_fwd_GBps"] / data["copy"]["best_GBps"]
         )
-    assert len(data["steps"]) == 4
+        for kind in ("fwd", "fwdbwd"):
+            nbytes = row[f"bytes_{kind}"]
+            assert row[f"lnlib_{kind}_out_bound_fraction"] == pytest.approx(
+                nbytes / row[f"lnlib_{kind}_out_s"] / 1e9 / copy["best_GBps"]
+            )
+            assert row[f"lnlib_{kind}_fresh_bound_fraction"] == pytest.approx(
+                nbytes / row[f"lnlib_{kind}_s"] / 1e9 / copy["fresh_GBps"]
+            )
+    assert len(data["steps"]) == 2  # float32 only, one per shape
+    assert {s["dtype"] for s in data["steps"]} == {"float32"}
     names = [s["step"] for s in data["steps"][0]["steps"]]
     assert names[0].startswith("reference") and names[-1].startswith("torch")
     for s in data["steps"][0]["steps"][:-1]:

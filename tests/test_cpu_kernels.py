@@ -260,6 +260,51 @@ def test_read_only_input_is_accepted_and_never_written(kernel, rng):
     assert y.flags.writeable and not x.flags.writeable
 
 
+# --- Large outputs are streamed to memory (non-temporal stores): same bits ------------------
+
+
+def _offset_like(a, offset_bytes):
+    """An uninitialised array like ``a`` whose data starts ``offset_bytes`` past 64-byte
+    alignment (to test the unaligned head of the streamed stores)."""
+    raw = np.empty(a.nbytes + 128, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset_bytes
+    return raw[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_streamed_outputs_equal_the_outputs_written_in_cache(kernel, rng, dtype):
+    """A call that writes at least STREAM_BYTES streams its output (y, dx); small calls do
+    not. Each row gets the same bits either way, wherever the output starts."""
+    n = 1030  # not a multiple of the 16-byte store: every row starts at another alignment
+    m = 2 * (8 << 20) // (n * np.dtype(dtype).itemsize) + 3  # 16 MiB and more: streamed
+    x = (rng.standard_normal((m, n)) * 2 + 3).astype(dtype)
+    dy = rng.standard_normal((m, n)).astype(dtype)
+    w, b = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+    size = np.dtype(dtype).itemsize
+    for offset in (0, size, 64 - size):
+        y = _offset_like(x, offset)
+        mean, rstd = np.empty(m, dtype), np.empty(m, dtype)
+        kernel.layer_norm_forward_rows(x, w, b, 1e-5, threads=1, out=(y, mean, rstd))
+        dx = _offset_like(x, offset)
+        kernel.layer_norm_backward_rows(dy, x, mean, rstd, w, threads=1, out=(dx, None, None))
+        ry = _offset_like(x, offset)
+        rrstd = np.empty(m, dtype)
+        kernel.rms_norm_forward_rows(x, w, 1e-5, threads=1, out=(ry, rrstd))
+        rdx = _offset_like(x, offset)
+        kernel.rms_norm_backward_rows(dy, x, rrstd, w, threads=1, out=(rdx, None))
+        for start in range(0, m, 97):  # in small calls, which are not streamed
+            s = slice(start, start + 97)
+            y_s, mean_s, rstd_s = kernel.layer_norm_forward_rows(x[s], w, b, 1e-5)
+            np.testing.assert_array_equal(y[s], y_s, err_msg=f"offset {offset}")
+            np.testing.assert_array_equal(rstd[s], rstd_s)
+            dx_s = kernel.layer_norm_backward_rows(dy[s], x[s], mean_s, rstd_s, w)[0]
+            np.testing.assert_array_equal(dx[s], dx_s, err_msg=f"offset {offset}")
+            ry_s, rrstd_s = kernel.rms_norm_forward_rows(x[s], w, 1e-5)
+            np.testing.assert_array_equal(ry[s], ry_s, err_msg=f"offset {offset}")
+            rdx_s = kernel.rms_norm_backward_rows(dy[s], x[s], rrstd_s, w)[0]
+            np.testing.assert_array_equal(rdx[s], rdx_s, err_msg=f"offset {offset}")
+
+
 # --- PASSES (the description chapter 5 imports) against the C source -------------------------
 
 _ARRAYS = ("x", "dy", "weight", "bias", "y", "dx", "dweight", "dbias")
@@ -310,10 +355,12 @@ def test_passes_cover_every_kernel_in_the_header():
 
 _WIDTHS = {"baseline": [], "avx2": ["-mavx2"], "avx512f": ["-mavx512f"]}
 #: The baseline built without the compiler's vector extension (the plain loops other compilers
-#: get), and with the float16 conversions of other machines (the compiler's _Float16 instead
-#: of F16C; bit operations): must give the same bits as the vector code.
+#: get), without the non-temporal stores, and with the float16 conversions of other machines
+#: (the compiler's _Float16 instead of F16C; bit operations): must give the same bits as the
+#: vector code.
 _PLAIN = {
     "plain_loops": ["-DNORMS_NO_VECTORS"],
+    "no_stream": ["-DNORMS_NO_STREAM"],
     "float16_type": ["-DNORMS_NO_F16C"],
     "float16_portable": ["-DNORMS_NO_FLOAT16"],
 }

@@ -323,6 +323,21 @@ def _block_of(start):
     return start // rows
 
 
+#: A call that reads fewer bytes runs in the calling thread: below this, handing half the rows to
+#: another thread cost more than it saved (forward and backward, float32 and float64, on the
+#: 2-core machine of chapter 5: at 1 MiB the kernel took 85 us alone and 118 us in two threads,
+#: at 16 MiB and above two threads won for float64 and for the backward). float16 rows count
+#: as the float32 rows the kernel works on.
+PARALLEL_MIN_BYTES = 8 << 20
+
+
+def _threads(threads, nbytes):
+    """The threads for a call reading ``nbytes``: as asked, or one for a small call."""
+    if threads is None and nbytes < PARALLEL_MIN_BYTES:
+        return 1
+    return threads
+
+
 def _take(out, i, shape, dtype):
     """``out[i]`` (a checked array the caller gave for this result), or a new array."""
     a = None if out is None else out[i]
@@ -402,7 +417,7 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
             )
         )
 
-    run_chunks(m, n, chunk, block_rows=1, threads=threads)
+    run_chunks(m, n, chunk, block_rows=1, threads=_threads(threads, x.size * acc.itemsize))
     return y, mean, rstd
 
 
@@ -462,7 +477,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
             )
         )
 
-    run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
+    rows = _state["module"].lib.NORMS_BLOCK_ROWS
+    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, 2 * x.size * acc.itemsize))
     dweight, dbias = _column_totals(blocks, p_dw, acc)
     return dx, dweight, dbias
 
@@ -501,7 +517,7 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
     def chunk(start, stop, _block_rows):
         _ok(fn(p_x + start * ld, ld, p_w, p_y + start * n, p_rstd + start, stop - start, n, eps))
 
-    run_chunks(m, n, chunk, block_rows=1, threads=threads)
+    run_chunks(m, n, chunk, block_rows=1, threads=_threads(threads, x.size * acc.itemsize))
     return y, rstd
 
 
@@ -555,5 +571,6 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
             )
         )
 
-    run_chunks(m, n, chunk, block_rows=_state["module"].lib.NORMS_BLOCK_ROWS, threads=threads)
+    rows = _state["module"].lib.NORMS_BLOCK_ROWS
+    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, 2 * x.size * acc.itemsize))
     return dx, _column_totals(blocks, p_dw, acc)[0]

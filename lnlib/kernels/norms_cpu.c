@@ -29,6 +29,8 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "norms.h"
@@ -37,6 +39,22 @@ enum { LANES = 16, BLOCK = 256 };
 /* Rows up to this length are processed two at a time (the passes of two rows interleaved);
  * two rows of x and dy in float64 (256 KiB) still fit in a core's L2 cache. */
 enum { PAIR_MAX = 8192 };
+
+/* Non-temporal ("streaming") stores, where the target has them (SSE2: every x86-64): a large
+ * output is written to memory without first being read into the cache (the read for
+ * ownership of an ordinary store), so a forward moves two arrays' worth of bytes, not three.
+ * Used when one call writes at least STREAM_BYTES, more than the caches hold, so the output
+ * would not stay in cache anyway; smaller outputs stay in cache for whatever reads them next.
+ * The values are the same either way: only how they reach memory differs. Measured in
+ * chapter 5 (two threads, 4096 x 4096 float32 forward into a reused output: 13.6 ms with
+ * ordinary stores, 5.9 ms streamed). -DNORMS_NO_STREAM builds without them. */
+#if defined(__SSE2__) && !defined(NORMS_NO_STREAM)
+#include <emmintrin.h>
+#define NORMS_STREAM 1
+#else
+#define NORMS_STREAM 0
+#endif
+enum { STREAM_BYTES = 8 << 20 };
 
 /* Function multi-versioning where the compiler has it and the C library can pick a version
  * at load time (ifunc: glibc on x86-64); flatten inlines the helpers so that they are compiled
@@ -106,6 +124,42 @@ static double pairwise_total(const struct pairwise *s)
         if ((s->count >> k) & 1)
             total = s->level[k] + total;
     return total;
+}
+
+/* Copies n values of `size` bytes (4 or 8) from src to dst, with non-temporal stores for
+ * the 16-byte-aligned part of dst. */
+static void stream_copy(void *dst, const void *src, ptrdiff_t n, size_t size)
+{
+    char *d = dst;
+    const char *s = src;
+    size_t bytes = (size_t)n * size, i = 0;
+#if NORMS_STREAM
+    size_t head = (16 - (uintptr_t)d % 16) % 16;
+    if (head % size == 0 && head <= bytes) {
+        memcpy(d, s, head);
+        for (i = head; i + 16 <= bytes; i += 16)
+            _mm_stream_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
+    }
+#endif
+    memcpy(d + i, s + i, bytes - i);
+}
+
+/* Orders this thread's non-temporal stores before what it does next (the caller then hands
+ * the output to other threads). */
+static void stream_fence(void)
+{
+#if NORMS_STREAM
+    _mm_sfence();
+#endif
+}
+
+/* Scratch for two rows of output when a call writes enough to stream it, else NULL (also
+ * when malloc fails: the rows are then written in place, with the same values). */
+static void *stream_scratch(ptrdiff_t m, ptrdiff_t n, size_t size)
+{
+    if (!NORMS_STREAM || n > PAIR_MAX || (size_t)m * (size_t)n * size < STREAM_BYTES)
+        return NULL;
+    return malloc(2 * (size_t)n * size);
 }
 
 void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)

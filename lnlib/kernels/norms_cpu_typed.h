@@ -304,8 +304,9 @@ static void FN(layer_norm_dx_pair)(const T *dya, const T *dyb, const T *xa, cons
                                    T *restrict dxb, double *restrict dweight,
                                    double *restrict dbias, ptrdiff_t n)
 {
-    /* the outputs are fresh arrays of the binding: restrict lets the loop be vectorized
-     * without a run-time overlap check of every pair of pointers */
+    /* the outputs overlap no input (the binding writes into an out= array only when it
+     * shares no memory with the inputs): restrict lets the loop be vectorized without a
+     * run-time overlap check of every pair of pointers */
     const T ma = mean[0], mb = mean[1], ra = rstd[0], rb = rstd[1];
     const T ga = mean_g[0], gb = mean_g[1], gxa = mean_gxhat[0], gxb = mean_gxhat[1];
     for (ptrdiff_t i = 0; i < n; i++) {
@@ -409,13 +410,21 @@ NORMS_KERNEL void FN(layer_norm_forward)(const T *x, ptrdiff_t ldx, const T *wei
                                          ptrdiff_t n, double eps)
 {
     ptrdiff_t r = 0;
+    /* a large output: each pair of rows of y is made in scratch, then streamed to memory */
+    T *scratch = stream_scratch(m, n, sizeof(T));
     if (n <= PAIR_MAX)
-        for (; r + 1 < m; r += 2)
-            FN(layer_norm_forward_pair)(x + r * ldx, x + (r + 1) * ldx, weight, bias, y + r * n,
-                                        y + (r + 1) * n, mean + r, rstd + r, n, eps);
+        for (; r + 1 < m; r += 2) {
+            T *ya = scratch ? scratch : y + r * n;
+            FN(layer_norm_forward_pair)(x + r * ldx, x + (r + 1) * ldx, weight, bias, ya,
+                                        ya + n, mean + r, rstd + r, n, eps);
+            if (scratch)
+                stream_copy(y + r * n, scratch, 2 * n, sizeof(T));
+        }
     for (; r < m; r++)
         FN(layer_norm_forward_row)(x + r * ldx, weight, bias, y + r * n, mean + r, rstd + r,
                                    n, eps);
+    free(scratch);
+    stream_fence();
 }
 
 NORMS_KERNEL void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x, ptrdiff_t ldx,
@@ -424,38 +433,49 @@ NORMS_KERNEL void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *
                                           ptrdiff_t m, ptrdiff_t n)
 {
     ptrdiff_t r = 0;
+    T *scratch = stream_scratch(m, n, sizeof(T)); /* as in the forward, for dx */
     if (n <= PAIR_MAX)
         for (; r + 1 < m; r += 2) {
             const T *dya = dy + r * lddy, *dyb = dya + lddy, *xa = x + r * ldx, *xb = xa + ldx;
             double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
             double *db = dbias_blocks + (r / NORMS_BLOCK_ROWS) * n;
-            T g[2], gx[2];
+            T g[2], gx[2], *dxa = scratch ? scratch : dx + r * n;
             FN(layer_norm_means)(dya, xa, mean[r], rstd[r], weight, n, g, gx);
             FN(layer_norm_means)(dyb, xb, mean[r + 1], rstd[r + 1], weight, n, g + 1, gx + 1);
-            FN(layer_norm_dx_pair)(dya, dyb, xa, xb, mean + r, rstd + r, weight, g, gx,
-                                   dx + r * n, dx + (r + 1) * n, dw, db, n);
+            FN(layer_norm_dx_pair)(dya, dyb, xa, xb, mean + r, rstd + r, weight, g, gx, dxa,
+                                   dxa + n, dw, db, n);
+            if (scratch)
+                stream_copy(dx + r * n, scratch, 2 * n, sizeof(T));
         }
     for (; r < m; r++) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS;
         FN(layer_norm_backward_row)(dy + r * lddy, x + r * ldx, mean[r], rstd[r], weight,
                                     dx + r * n, dweight_blocks + b * n, dbias_blocks + b * n, n);
     }
+    free(scratch);
+    stream_fence();
 }
 
 NORMS_KERNEL void FN(rms_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight, T *y,
                                        T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
 {
     ptrdiff_t r = 0;
+    T *scratch = stream_scratch(m, n, sizeof(T)); /* as in layer_norm_forward */
     if (n <= PAIR_MAX)
         for (; r + 1 < m; r += 2) {
             const T *xa = x + r * ldx, *xb = xa + ldx;
+            T *ya = scratch ? scratch : y + r * n;
             rstd[r] = FN(rms_norm_rstd)(xa, n, eps);
             rstd[r + 1] = FN(rms_norm_rstd)(xb, n, eps);
-            FN(rms_norm_y)(xa, weight, y + r * n, rstd[r], n);
-            FN(rms_norm_y)(xb, weight, y + (r + 1) * n, rstd[r + 1], n);
+            FN(rms_norm_y)(xa, weight, ya, rstd[r], n);
+            FN(rms_norm_y)(xb, weight, ya + n, rstd[r + 1], n);
+            if (scratch)
+                stream_copy(y + r * n, scratch, 2 * n, sizeof(T));
         }
     for (; r < m; r++)
         FN(rms_norm_forward_row)(x + r * ldx, weight, y + r * n, rstd + r, n, eps);
+    free(scratch);
+    stream_fence();
 }
 
 NORMS_KERNEL void FN(rms_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x, ptrdiff_t ldx,
@@ -463,17 +483,21 @@ NORMS_KERNEL void FN(rms_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x,
                                         double *dweight_blocks, ptrdiff_t m, ptrdiff_t n)
 {
     ptrdiff_t r = 0;
+    T *scratch = stream_scratch(m, n, sizeof(T)); /* as in layer_norm_forward, for dx */
     if (n <= PAIR_MAX)
         for (; r + 1 < m; r += 2) {
             const T *dya = dy + r * lddy, *dyb = dya + lddy, *xa = x + r * ldx, *xb = xa + ldx;
             double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
-            T gx[2];
+            T gx[2], *dxa = scratch ? scratch : dx + r * n;
             gx[0] = FN(rms_norm_mean)(dya, xa, rstd[r], weight, n);
             gx[1] = FN(rms_norm_mean)(dyb, xb, rstd[r + 1], weight, n);
-            FN(rms_norm_dx_pair)(dya, dyb, xa, xb, rstd + r, weight, gx, dx + r * n,
-                                 dx + (r + 1) * n, dw, n);
+            FN(rms_norm_dx_pair)(dya, dyb, xa, xb, rstd + r, weight, gx, dxa, dxa + n, dw, n);
+            if (scratch)
+                stream_copy(dx + r * n, scratch, 2 * n, sizeof(T));
         }
     for (; r < m; r++)
         FN(rms_norm_backward_row)(dy + r * lddy, x + r * ldx, rstd[r], weight, dx + r * n,
                                   dweight_blocks + (r / NORMS_BLOCK_ROWS) * n, n);
+    free(scratch);
+    stream_fence();
 }
