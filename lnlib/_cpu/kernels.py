@@ -20,6 +20,7 @@ any batch, thread count or alignment. :data:`PASSES` lists what each kernel does
 Covered in the book, chapter "Implementation", section "A compiled kernel".
 """
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -116,7 +117,7 @@ def _load():
         return None, f"extension module {spec.origin} cannot be imported ({exc})"
     missing = [
         f
-        for f in _FUNCTIONS + ["sum_blocks_pairwise", "norms_kernel_version"]
+        for f in _FUNCTIONS + ["sum_blocks_pairwise", "norms_kernel_version", "norms_set_streaming"]
         if not hasattr(getattr(module, "lib", None), f)
     ]
     if missing:
@@ -222,6 +223,21 @@ def available():
         unusable also warns (:class:`RuntimeWarning`), once per process.
     """
     return _module() is not None, _state["reason"]
+
+
+@contextlib.contextmanager
+def ordinary_stores():
+    """Inside the block, large outputs are written with ordinary stores instead of streamed.
+
+    For the benchmark, which times both ways (the values are the same). Process-wide: not for
+    use while other threads call the kernels.
+    """
+    lib = _module().lib
+    before = lib.norms_set_streaming(0)
+    try:
+        yield
+    finally:
+        lib.norms_set_streaming(before)
 
 
 def _c_function(op, dtype):
