@@ -341,10 +341,20 @@ def step_variants(x, weight, bias, eps):
     ]
     if kernels.available()[0] and x.dtype in (np.float32, np.float64):
         out = (np.empty_like(x), np.empty(m, x.dtype), np.empty(m, x.dtype))  # reused
+        cores = lnlib_cpu_threads()
+
+        def ordinary_stores():
+            with kernels.ordinary_stores():
+                return _forward_kernel(x, weight, bias, eps, threads=cores, out=out)
+
         steps += [
             ("C kernel (1 thread)", lambda: _forward_kernel(x, weight, bias, eps, threads=1)),
-            ("C kernel + threads", lambda: _forward_kernel(x, weight, bias, eps)),
-            ("C kernel + threads, out=", lambda: _forward_kernel(x, weight, bias, eps, out=out)),
+            ("C kernel + threads", lambda: _forward_kernel(x, weight, bias, eps, threads=cores)),
+            ("C kernel + threads, out=, ordinary stores", ordinary_stores),
+            (
+                "C kernel + threads, out=",
+                lambda: _forward_kernel(x, weight, bias, eps, threads=cores, out=out),
+            ),
         ]
     return steps
 

@@ -292,6 +292,10 @@ def test_streamed_outputs_equal_the_outputs_written_in_cache(kernel, rng, dtype)
         kernel.rms_norm_forward_rows(x, w, 1e-5, threads=1, out=(ry, rrstd))
         rdx = _offset_like(x, offset)
         kernel.rms_norm_backward_rows(dy, x, rrstd, w, threads=1, out=(rdx, None))
+        with kernel.ordinary_stores():  # the benchmark's switch: the same values
+            y_plain = kernel.layer_norm_forward_rows(x, w, b, 1e-5, threads=1)[0]
+        np.testing.assert_array_equal(y_plain, y)
+        assert kernel._module().lib.norms_set_streaming(1) == 1, "streaming left switched off"
         for start in range(0, m, 97):  # in small calls, which are not streamed
             s = slice(start, start + 97)
             y_s, mean_s, rstd_s = kernel.layer_norm_forward_rows(x[s], w, b, 1e-5)

@@ -27,6 +27,7 @@ kernel's bits (``weight``/``bias`` come in float32, the accumulation dtype).
 Covered in the book, chapter "Implementation", section "A compiled kernel".
 """
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -130,7 +131,12 @@ def _load():
     missing = [
         f
         for f in _FUNCTIONS
-        + ["sum_blocks_pairwise", "norms_kernel_version", "norms_half_conversion"]
+        + [
+            "sum_blocks_pairwise",
+            "norms_kernel_version",
+            "norms_set_streaming",
+            "norms_half_conversion",
+        ]
         if not hasattr(getattr(module, "lib", None), f)
     ]
     if missing:
@@ -242,6 +248,21 @@ def available():
         unusable also warns (:class:`RuntimeWarning`), once per process.
     """
     return _module() is not None, _state["reason"]
+
+
+@contextlib.contextmanager
+def ordinary_stores():
+    """Inside the block, large outputs are written with ordinary stores instead of streamed.
+
+    For the benchmark, which times both ways (the values are the same). Process-wide: not for
+    use while other threads call the kernels.
+    """
+    lib = _module().lib
+    before = lib.norms_set_streaming(0)
+    try:
+        yield
+    finally:
+        lib.norms_set_streaming(before)
 
 
 def _c_function(op, dtype):

@@ -79,6 +79,11 @@ void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n);
  * (the compiler's baseline; the only one where multi-versioning is not available). */
 const char *norms_kernel_version(void);
 
+/* Switches the streaming of large outputs (non-temporal stores, on by default) on or off for
+ * the whole process; returns the previous setting. The values written are the same either
+ * way: the benchmark uses it to time the two ways of storing. */
+int norms_set_streaming(int enabled);
+
 /* Adds the rows of blocks (nblocks, n) pairwise, in a fixed order; the total ends in row 0. */
 void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n);
 

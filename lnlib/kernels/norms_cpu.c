@@ -153,11 +153,21 @@ static void stream_fence(void)
 #endif
 }
 
+static int stream_enabled = 1;
+
+int norms_set_streaming(int enabled)
+{
+    int before = stream_enabled;
+    stream_enabled = enabled != 0;
+    return before;
+}
+
 /* Scratch for two rows of output when a call writes enough to stream it, else NULL (also
  * when malloc fails: the rows are then written in place, with the same values). */
 static void *stream_scratch(ptrdiff_t m, ptrdiff_t n, size_t size)
 {
-    if (!NORMS_STREAM || n > PAIR_MAX || (size_t)m * (size_t)n * size < STREAM_BYTES)
+    if (!NORMS_STREAM || !stream_enabled || n > PAIR_MAX
+        || (size_t)m * (size_t)n * size < STREAM_BYTES)
         return NULL;
     return malloc(2 * (size_t)n * size);
 }

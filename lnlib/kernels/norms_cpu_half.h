@@ -6,7 +6,9 @@
  * with ties to even; mean, rstd and the column sums are the float32 kernel's. Each kernel
  * converts a row (two rows for n <= PAIR_MAX, as the float32 kernels pair them) into float
  * scratch rows, runs the float32 row functions on them, and converts the float y or dx into
- * the output. The scratch stays in cache, so the rows are still read from memory once.
+ * the output. The scratch stays in cache, so the rows are still read from memory once. The
+ * outputs are written with ordinary stores, never streamed (norms_set_streaming does not
+ * apply): streaming them made no clear difference to these kernels, which convert as they go.
  *
  * The conversions: the F16C instructions where the CPU has them (x86-64; chosen at run time,
  * since the "avx2" version of NORMS_KERNEL does not imply F16C), else the compiler's
