@@ -86,8 +86,12 @@ def test_quick_run_writes_the_table_fields(tmp_path, capsys):
         )
         for kind in ("fwd", "fwdbwd"):
             nbytes = row[f"bytes_{kind}"]
+            streams = {"fwd": 2, "fwdbwd": 5}[kind]
             assert row[f"lnlib_{kind}_out_bound_fraction"] == pytest.approx(
-                nbytes / row[f"lnlib_{kind}_out_s"] / 1e9 / copy["best_GBps"]
+                streams / 2 * row["copy_x_best_s"] / row[f"lnlib_{kind}_out_s"]
+            )
+            assert row["copy_x_best_s"] == min(
+                row[f"{k}_s"] for k in ("copy_x", "copy_x_threads", "torch_copy_x")
             )
             assert row[f"lnlib_{kind}_fresh_bound_fraction"] == pytest.approx(
                 nbytes / row[f"lnlib_{kind}_s"] / 1e9 / copy["fresh_GBps"]
