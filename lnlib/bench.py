@@ -522,6 +522,64 @@ def format_accuracy(rows):
     return "\n".join(lines)
 
 
+def thread_crossover(sizes=(1 << 19, 1 << 20, 1 << 21), repeats=41, width=1024):
+    """The compiled LayerNorm in one thread and in every core, interleaved, per size and dtype.
+
+    The measurement behind ``lnlib._cpu.kernels.PARALLEL_MIN_BYTES`` (below it a call runs in
+    the calling thread). Returns rows of ``dtype``, ``elements``, ``bytes`` of ``x`` and the
+    median seconds of the forward and the backward with ``threads=1`` and with all cores.
+    """
+    from lnlib._cpu import kernels
+
+    if not kernels.available()[0]:
+        return []
+    cores, rows = lnlib_cpu_threads(), []
+    for dtype in (np.float16, np.float32, np.float64):
+        acc = np.float64 if dtype == np.float64 else np.float32
+        for size in sizes:
+            x, _, _, dy = _inputs((size // width, width), dtype)
+            w, b = np.ones(width, acc), np.zeros(width, acc)
+            mean, rstd = kernels.layer_norm_forward_rows(x, w, b, 1e-5)[1:]
+            tasks = _crossover_tasks(kernels, (x, dy, w, b, mean, rstd), cores)
+            med = {k: statistics.median(v) for k, v in _median_times(tasks, repeats).items()}
+            rows.append(
+                {
+                    "dtype": np.dtype(dtype).name,
+                    "elements": size,
+                    "bytes": x.nbytes,
+                    "cores": cores,
+                    **med,
+                }
+            )
+    return rows
+
+
+def _crossover_tasks(kernels, arrays, cores):
+    """The forward and backward in one thread and in ``cores`` threads, as timed tasks."""
+    x, dy, w, b, mean, rstd = arrays
+    tasks = {}
+    for t in (1, cores):
+        tasks[f"fwd_{t}"] = lambda t=t: kernels.layer_norm_forward_rows(x, w, b, 1e-5, threads=t)
+        tasks[f"bwd_{t}"] = lambda t=t: kernels.layer_norm_backward_rows(
+            dy, x, mean, rstd, w, threads=t
+        )
+    return tasks
+
+
+def format_crossover(rows):
+    """The thread crossover as a plain-text table (microseconds)."""
+    lines = ["LayerNorm kernel, one thread against all cores (us, medians, interleaved)"]
+    for r in rows:
+        c = r["cores"]
+        lines.append(
+            f"{r['dtype']:>8} {r['elements'] // 1024:6d} K elements "
+            f"{r['bytes'] / 2**20:5.1f} MiB | "
+            f"fwd {r['fwd_1'] * 1e6:8.0f} / {r[f'fwd_{c}'] * 1e6:8.0f} | "
+            f"bwd {r['bwd_1'] * 1e6:8.0f} / {r[f'bwd_{c}'] * 1e6:8.0f}"
+        )
+    return "\n".join(lines)
+
+
 def machine_info():
     import torch
 
@@ -665,6 +723,12 @@ def _parser():
         help="small shapes, few repeats, a small copy: a smoke run of seconds",
     )
     p.add_argument(
+        "--threads",
+        action="store_true",
+        help="only time the kernel in one thread against all cores at sizes around the "
+        "threshold below which a call stays in one thread",
+    )
+    p.add_argument(
         "--accuracy",
         action="store_true",
         help="only print the float32 accuracy on long rows and columns (issue 8)",
@@ -680,6 +744,10 @@ def main(argv=None):
         return bench_gpu.main([a for a in args if a != "--gpu"])
     p = _parser()
     args = p.parse_args(argv)
+    if args.threads:
+        rows = thread_crossover()
+        print(format_crossover(rows))
+        return {"threads": rows}
     if args.accuracy:
         rows = accuracy()
         print(format_accuracy(rows))

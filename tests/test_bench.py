@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -112,3 +113,17 @@ def test_command_line_rejects_bad_dtype():
         text=True,
     )
     assert proc.returncode == 2 and "--dtypes" in proc.stderr
+
+
+def test_thread_crossover_times_both_ways():
+    from lnlib._cpu import kernels
+
+    if not kernels.available()[0]:
+        pytest.skip("compiled kernel not available")
+    rows = bench.thread_crossover(sizes=(4096,), repeats=1, width=64)
+    assert [r["dtype"] for r in rows] == ["float16", "float32", "float64"]
+    for r in rows:
+        c = r["cores"]
+        assert r["bytes"] == 4096 * np.dtype(r["dtype"]).itemsize
+        assert all(r[k] > 0 for k in ("fwd_1", "bwd_1", f"fwd_{c}", f"bwd_{c}"))
+    assert "one thread against all cores" in bench.format_crossover(rows)

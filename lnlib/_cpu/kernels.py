@@ -344,11 +344,11 @@ def _block_of(start):
     return start // rows
 
 
-#: A call that reads fewer bytes runs in the calling thread: below this, handing half the rows to
-#: another thread cost more than it saved (forward and backward, float32 and float64, on the
-#: 2-core machine of chapter 5: at 1 MiB the kernel took 85 us alone and 118 us in two threads,
-#: at 16 MiB and above two threads won for float64 and for the backward). float16 rows count
-#: as the float32 rows the kernel works on.
+#: A call that reads fewer bytes (of x, and of dy for a backward) runs in the calling thread:
+#: below this, handing half the rows to another thread cost more than it saved. On the 2-core
+#: machine of chapter 5, interleaved (``python -m lnlib.bench --threads``), one thread won at
+#: 2 MiB and below for every dtype (float32 forward, 512 K elements: 149 against 252 us), two
+#: threads won from 16 MiB on, and between 4 and 8 MiB the two traded places from run to run.
 PARALLEL_MIN_BYTES = 8 << 20
 
 
@@ -438,7 +438,7 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
             )
         )
 
-    run_chunks(m, n, chunk, block_rows=1, threads=_threads(threads, x.size * acc.itemsize))
+    run_chunks(m, n, chunk, block_rows=1, threads=_threads(threads, x.nbytes))
     return y, mean, rstd
 
 
@@ -499,7 +499,7 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
         )
 
     rows = _state["module"].lib.NORMS_BLOCK_ROWS
-    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, 2 * x.size * acc.itemsize))
+    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, x.nbytes + dy.nbytes))
     dweight, dbias = _column_totals(blocks, p_dw, acc)
     return dx, dweight, dbias
 
@@ -538,7 +538,7 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
     def chunk(start, stop, _block_rows):
         _ok(fn(p_x + start * ld, ld, p_w, p_y + start * n, p_rstd + start, stop - start, n, eps))
 
-    run_chunks(m, n, chunk, block_rows=1, threads=_threads(threads, x.size * acc.itemsize))
+    run_chunks(m, n, chunk, block_rows=1, threads=_threads(threads, x.nbytes))
     return y, rstd
 
 
@@ -593,5 +593,5 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
         )
 
     rows = _state["module"].lib.NORMS_BLOCK_ROWS
-    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, 2 * x.size * acc.itemsize))
+    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, x.nbytes + dy.nbytes))
     return dx, _column_totals(blocks, p_dw, acc)[0]
