@@ -45,9 +45,10 @@ enum { PAIR_MAX = 8192 };
  * ownership of an ordinary store), so a forward moves two arrays' worth of bytes, not three.
  * Used when one call writes at least STREAM_BYTES, more than the caches hold, so the output
  * would not stay in cache anyway; smaller outputs stay in cache for whatever reads them next.
- * The values are the same either way: only how they reach memory differs. Measured in
- * chapter 5 (two threads, 4096 x 4096 float32 forward into a reused output: 13.6 ms with
- * ordinary stores, 5.9 ms streamed). -DNORMS_NO_STREAM builds without them. */
+ * The values are the same either way: only how they reach memory differs. Chapter 5 times
+ * both ways (`python -m lnlib.bench --steps`; on its 2-core machine streaming saved 3 to 9 %
+ * of a 4096 x 4096 float32 forward into a reused output). -DNORMS_NO_STREAM builds without
+ * them. */
 #if defined(__SSE2__) && !defined(NORMS_NO_STREAM)
 #include <emmintrin.h>
 #define NORMS_STREAM 1
