@@ -16,10 +16,11 @@ BENCHMARKS = ("cpu_layer_norm",)
 def load_benchmark(name: str = "cpu_layer_norm") -> dict:
     r"""Load the committed results of one of lnlib's benchmarks.
 
-    ``cpu_layer_norm`` is the output of
-    ``python -m lnlib.bench --steps --out lnlib/data/cpu_layer_norm.json``: the machine it
-    ran on, the memory-copy bandwidth, lnlib against ``torch.nn.functional.layer_norm`` and
-    the time of each optimisation step, as written by ``lnlib.bench``.
+    ``cpu_layer_norm`` is the output of ``python -m lnlib.bench --steps ... --out
+    lnlib/data/cpu_layer_norm.json`` (its ``"command"`` entry has the whole command): the
+    machine it ran on, the memory-copy bandwidth, lnlib's LayerNorm and RMSNorm against
+    PyTorch's, with and without ``out=``, and the time of each optimisation step, as written
+    by ``lnlib.bench``.
 
     Parameters
     ----------
