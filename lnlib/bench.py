@@ -98,34 +98,13 @@ def copy_bandwidth(n_bytes, repeats, threads=None):
     the bound of the benchmark; ``fresh_GBps`` the bound for a function that returns new
     arrays.
     """
-    import torch
-
     n = max(1, n_bytes // 4)
     src = np.ones(n, dtype=np.float32)
-    dst = np.zeros_like(src)
-    src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
     threads = threads or lnlib_cpu_threads()
-    bounds = np.linspace(0, n, threads + 1).astype(int)
-    pool = ThreadPoolExecutor(max_workers=threads)
-
-    def threaded():
-        list(
-            pool.map(
-                lambda i: np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]]),
-                range(threads),
-            )
-        )
-
-    tasks = {
-        "copy": lambda: np.copyto(dst, src),
-        "copy_threads": threaded,
-        "torch_copy": lambda: dst_t.copy_(src_t),
-        "fresh_copy": src.copy,
-    }
-    try:
-        times = _median_times(tasks, repeats)
-    finally:
-        pool.shutdown()
+    # copy_x -> copy, copy_x_threads -> copy_threads, torch_copy_x -> torch_copy
+    tasks = {name.replace("_x", ""): fn for name, fn in copies_of(src, threads).items()}
+    tasks["fresh_copy"] = src.copy
+    times = _median_times(tasks, repeats)
     moved = 2 * src.nbytes
     out = {"bytes": moved, "copy_threads": threads}
     for name, ts in times.items():
@@ -153,18 +132,19 @@ def _inputs(shape, dtype, seed=0):
     return x, weight, bias, dy
 
 
-def copies_of(x):
+def copies_of(x, threads=None):
     """The copies of ``x`` into an existing array that bound a call on ``x``, as timed tasks.
 
     ``copy_x``: ``np.copyto`` in one thread; ``copy_x_threads``: split into one chunk of rows
-    per core; ``torch_copy_x``: torch's ``Tensor.copy_`` (its own threads). The fastest is the
-    time a forward on ``x`` cannot beat (it reads ``x`` and writes an array of its size).
+    per thread (``threads``, default the cores available); ``torch_copy_x``: torch's
+    ``Tensor.copy_`` (its own threads). The fastest is the time a forward on ``x`` cannot beat
+    (it reads ``x`` and writes an array of its size).
     """
     import torch
 
     dst = np.empty_like(x)
     src_t, dst_t = torch.from_numpy(x), torch.from_numpy(dst)
-    cores = lnlib_cpu_threads()
+    cores = threads or lnlib_cpu_threads()
     bounds = np.linspace(0, x.shape[0], cores + 1).astype(int)
 
     def threaded():
