@@ -579,3 +579,48 @@ def test_float16_conversions_match_numpy(kernel, tmp_path):
     for name, (wide, narrowed) in results.items():  # NaNs included: the same bits everywhere
         np.testing.assert_array_equal(wide, results["float16_portable"][0], err_msg=name)
         np.testing.assert_array_equal(narrowed, results["float16_portable"][1], err_msg=name)
+
+
+def test_every_vector_width_of_the_installed_module_gives_the_same_bits(kernel):
+    """The installed module with its sums' lanes in 16-, 32- and 64-byte vectors (as many as
+    this CPU has): the same bits as the widest, for every kernel and dtype."""
+    widest = kernel.info()["vector_bytes"]
+    widths = [b for b in (16, 32, 64) if b <= widest]
+    if len(widths) < 2:
+        pytest.skip(f"this CPU and build have {widest}-byte vectors only")
+    module = kernel._state["module"]
+    rng = np.random.default_rng(5)
+    for dtype in (np.float16, np.float32, np.float64):
+        for n in (1, 15, 16, 17, 33, 255, 256, 257, 1000, 4099):
+            m = 41 if n < 1000 else 3
+            x = (rng.standard_normal((m, n)) * 3 + 7).astype(dtype)
+            w, b = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+            dy = rng.standard_normal((m, n)).astype(dtype)
+            want = _run_variant(module.ffi, module.lib, x, w, b, dy)
+            for nbytes in widths:
+                with kernel.vector_width(nbytes):
+                    assert kernel.info()["vector_bytes"] == nbytes
+                    got = _run_variant(module.ffi, module.lib, x, w, b, dy)
+                for key, value in got.items():
+                    np.testing.assert_array_equal(
+                        value, want[key], err_msg=f"{nbytes} bytes {key} {dtype} n={n}"
+                    )
+    assert kernel.info()["vector_bytes"] == widest
+
+
+@pytest.mark.parametrize("nbytes", [0, 8, 24, 128, "32", 32.0])
+def test_vector_width_refuses_what_the_cpu_cannot_use(kernel, nbytes):
+    widest = kernel.info()["vector_bytes"]
+    with pytest.raises(ValueError, match="nbytes must be 16, 32 or 64"):
+        with kernel.vector_width(nbytes):
+            pass
+    assert kernel.info()["vector_bytes"] == widest  # nothing changed
+
+
+def test_vector_width_above_the_widest_is_refused(kernel):
+    widest = kernel.info()["vector_bytes"]
+    if widest >= 64:
+        pytest.skip("this CPU and build have the widest vectors (64 bytes)")
+    with pytest.raises(ValueError, match=f"at most {widest}"):
+        with kernel.vector_width(2 * widest):
+            pass

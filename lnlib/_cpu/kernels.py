@@ -52,9 +52,10 @@ __all__ = [
 
 #: The passes each kernel makes over one row, in order: the arrays read and written (arrays of
 #: length D; ``dweight``/``dbias`` are the row block's float64 column sums, which stay in
-#: cache) and what the pass computes. A pass that computes two sums runs two loops over each
-#: block of 256 elements while the block is in L1 cache. When a row fits in the core's cache
-#: (a few hundred KiB), only the first pass reads it from memory. ``tests/test_cpu_kernels.py``
+#: cache) and what the pass computes. A pass computes its sums (one or two) in one loop over
+#: each block of 256 elements; rows up to 8192 elements long are taken two at a time, the same
+#: block of both rows in that loop. When a row fits in the core's cache (a few hundred KiB),
+#: only the first pass reads it from memory. ``tests/test_cpu_kernels.py``
 #: checks this list against the C source.
 PASSES = {
     "layer_norm_forward": (
@@ -136,6 +137,8 @@ def _load():
             "norms_kernel_version",
             "norms_set_streaming",
             "norms_half_conversion",
+            "norms_vector_bytes",
+            "norms_set_vector_bytes",
         ]
         if not hasattr(getattr(module, "lib", None), f)
     ]
@@ -213,9 +216,11 @@ def info():
     -------
     dict
         ``{"kernel": bool, "reason": str, "path": str or None, "version": str or None,
-        "float16": str or None, "flags": list of str, "source": str}``: ``path`` is the
-        loaded extension module, ``version`` the vector width the loader picked for this CPU
-        (``"avx512f"``, ``"avx2"`` or ``"default"``; every version gives the same bits),
+        "vector_bytes": int or None, "float16": str or None, "flags": list of str,
+        "source": str}``: ``path`` is the loaded extension module, ``version`` the version
+        the loader picked for this CPU (``"avx512f"``, ``"avx2"`` or ``"default"``; every
+        version gives the same bits), ``vector_bytes`` the width of the vectors that hold the
+        sums' 16 lanes (64, 32 or 16 bytes; 0 without the compiler's vector extension),
         ``float16`` how the float16 kernels convert (``"f16c"``: the x86-64 instructions;
         ``"_Float16"``: the compiler's type; ``"portable"``: bit operations; the same bits),
         ``flags`` the compiler flags it was built with, ``source`` the C file, relative to
@@ -230,6 +235,7 @@ def info():
         "reason": _state["reason"],
         "path": _state["path"],
         "version": version,
+        "vector_bytes": None if lib is None else lib.norms_vector_bytes(),
         "float16": half,
         "flags": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
         "source": "kernels/norms_cpu.c",
@@ -263,6 +269,34 @@ def ordinary_stores():
         yield
     finally:
         lib.norms_set_streaming(before)
+
+
+@contextlib.contextmanager
+def vector_width(nbytes):
+    """Inside the block, the kernels hold the sums' lanes in vectors of ``nbytes`` bytes.
+
+    ``nbytes`` is 16, 32 or 64, at most the widest this CPU and build have
+    (``info()["vector_bytes"]``): the same sums in the same order, so the same bits, in more
+    or fewer registers. For the tests, which compare the widths, and the benchmark.
+    Process-wide: not for use while other threads call the kernels.
+
+    Raises
+    ------
+    ValueError
+        ``nbytes`` is not a width this CPU and build can use.
+    """
+    lib = _module().lib
+    valid = isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes in (16, 32, 64)
+    before = lib.norms_set_vector_bytes(nbytes) if valid else -1
+    if before < 0:
+        raise ValueError(
+            f"nbytes must be 16, 32 or 64 and at most {lib.norms_vector_bytes()} here "
+            f"(the widest this CPU and build have), got {nbytes!r}"
+        )
+    try:
+        yield
+    finally:
+        lib.norms_set_vector_bytes(before)
 
 
 def _c_function(op, dtype):

@@ -44,7 +44,13 @@ ffibuilder.set_source(
     sources=[_relative(HERE / "norms_cpu.c")],
     include_dirs=[_relative(HERE)],
     depends=[
-        _relative(HERE / name) for name in ("norms.h", "norms_cpu_typed.h", "norms_cpu_half.h")
+        _relative(HERE / name)
+        for name in (
+            "norms.h",
+            "norms_cpu_typed.h",
+            "norms_cpu_lanes.h",
+            "norms_cpu_half.h",
+        )
     ],
     extra_compile_args=FLAGS,
     libraries=["m"] if os.name == "posix" else [],

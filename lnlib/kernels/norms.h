@@ -79,6 +79,14 @@ void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n);
  * (the compiler's baseline; the only one where multi-versioning is not available). */
 const char *norms_kernel_version(void);
 
+/* The bytes of the vectors that hold the row sums' 16 lanes: 64 (AVX-512), 32 (AVX2), 16
+ * (SSE2 and other targets), 0 (plain C); the widest this CPU and build have. The sums, so the
+ * bits, are the same for every width. norms_set_vector_bytes(b) makes the kernels use b (16,
+ * 32 or 64, at most the widest; 0 for the widest) and returns the previous width, or -1 for
+ * a width not available (nothing changed): for the tests and the benchmark. */
+int norms_vector_bytes(void);
+int norms_set_vector_bytes(int bytes);
+
 /* Switches the streaming of large outputs (non-temporal stores, on by default) on or off for
  * the whole process; returns the previous setting. The values written are the same either
  * way: the benchmark uses it to time the two ways of storing. */

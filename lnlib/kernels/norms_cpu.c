@@ -23,7 +23,8 @@
  *  - compiled with -ffp-contract=off, so no multiply-add is fused behind our back. On
  *    x86-64 each exported kernel is also compiled for AVX2 and AVX-512 (NORMS_KERNEL) and the
  *    loader picks the widest the CPU has; the lanes and their order are written out in the
- *    C, so every width gives the same bits (tests/test_cpu_kernels.py compares them).
+ *    C, held in vectors of the width the CPU has (norms_cpu_lanes.h), so every width gives
+ *    the same bits (tests/test_cpu_kernels.py compares the builds and the widths).
  *
  * Book: chapter "Implementation", section "A compiled kernel".
  */
@@ -74,17 +75,69 @@ enum { STREAM_BYTES = 8 << 20 };
 #define NORMS_KERNEL
 #endif
 
-/* The compiler's vector extension (GCC, Clang): two sums of a block in one loop, which the
- * plain loops do not vectorize well (block_sums_dev, block_sums_g). Elsewhere, two loops. */
+/* The compiler's vector extension (GCC, Clang): the sums' lanes in vectors of the width the
+ * CPU has (norms_cpu_lanes.h). Elsewhere, plain C loops over the same lanes. */
 #if defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 9) && !defined(NORMS_NO_VECTORS)
 #define NORMS_VECTORS 1
-typedef double dvec16 __attribute__((vector_size(16 * sizeof(double))));
-typedef double dvec8 __attribute__((vector_size(8 * sizeof(double))));
-typedef double dvec4 __attribute__((vector_size(4 * sizeof(double))));
-_Static_assert(LANES == 16, "lanes_total adds 16 lanes as vector halves");
 #else
 #define NORMS_VECTORS 0
 #endif
+_Static_assert(LANES == 16, "the lanes' pairwise total halves 16 lanes (norms_cpu_lanes.h)");
+
+#define NORMS_PASTE_(a, b) a##b
+#define NORMS_PASTE(a, b) NORMS_PASTE_(a, b)
+
+/* The widest vectors, in bytes, that the CPU runs and this build was compiled for (with
+ * multi-versioning, the loader picks the AVX-512 or AVX2 version where the CPU has it); the
+ * block sums use vectors of this width. 0 until chosen. */
+static int vector_bytes_chosen;
+
+static int vector_bytes_best(void)
+{
+#if NORMS_VECTORS && (defined(__x86_64__) || defined(__i386__))
+#if NORMS_CLONES || defined(__AVX512F__)
+    const int built = 64;
+#elif defined(__AVX2__)
+    const int built = 32;
+#else
+    const int built = 16;
+#endif
+    __builtin_cpu_init();
+    int cpu = __builtin_cpu_supports("avx512f") ? 64 : __builtin_cpu_supports("avx2") ? 32 : 16;
+    return cpu < built ? cpu : built;
+#elif NORMS_VECTORS
+    return 16;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__GNUC__)
+__attribute__((constructor))
+#endif
+static void vector_bytes_init(void)
+{
+    if (!vector_bytes_chosen)
+        vector_bytes_chosen = vector_bytes_best();
+}
+
+int norms_vector_bytes(void)
+{
+    vector_bytes_init();
+    return vector_bytes_chosen;
+}
+
+int norms_set_vector_bytes(int bytes)
+{
+    vector_bytes_init();
+    int before = vector_bytes_chosen, best = vector_bytes_best();
+    if (bytes == 0)
+        bytes = best;
+    if (!NORMS_VECTORS || (bytes != 16 && bytes != 32 && bytes != 64) || bytes > best)
+        return -1;
+    vector_bytes_chosen = bytes;
+    return before;
+}
 
 const char *norms_kernel_version(void)
 {
@@ -173,6 +226,29 @@ static void *stream_scratch(ptrdiff_t m, ptrdiff_t n, size_t size)
     return malloc(2 * (size_t)n * size);
 }
 
+/* What a pass sums (block_sums in norms_cpu_lanes.h), with g = dy weight: x - shift;
+ * (x - shift)^2; both; g and g (x - shift); g (x - shift). */
+enum { SUM_X, SUM_XX, SUM_DEV, SUM_G, SUM_GXC };
+
+/* The terms t1 (and t2, for SUM_DEV and SUM_G) of one element, or one vector of elements, for
+ * a pass of that kind: the same operations in the same order for every width. */
+#define NORMS_TERMS(kind, x, dy, w, shift, t1, t2)                                             \
+    do {                                                                                       \
+        if ((kind) == SUM_X) {                                                                 \
+            t1 = (x) - (shift);                                                                \
+        } else if ((kind) == SUM_XX) {                                                         \
+            t1 = ((x) - (shift)) * ((x) - (shift));                                            \
+        } else if ((kind) == SUM_DEV) {                                                        \
+            t1 = (x) - (shift);                                                                \
+            t2 = t1 * t1;                                                                      \
+        } else if ((kind) == SUM_G) {                                                          \
+            t1 = (dy) * (w);                                                                   \
+            t2 = t1 * ((x) - (shift));                                                         \
+        } else {                                                                               \
+            t1 = (dy) * (w) * ((x) - (shift));                                                 \
+        }                                                                                      \
+    } while (0)
+
 void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
 {
     for (ptrdiff_t step = 1; step < nblocks; step *= 2)
@@ -182,15 +258,19 @@ void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
 }
 
 #define T float
+#define TBYTES 4
 #define FN(name) name##_f32
 #include "norms_cpu_typed.h"
 #undef T
+#undef TBYTES
 #undef FN
 
 #define T double
+#define TBYTES 8
 #define FN(name) name##_f64
 #include "norms_cpu_typed.h"
 #undef T
+#undef TBYTES
 #undef FN
 
 /* float16: rows converted to float, the float functions above, the outputs rounded back. */

@@ -290,8 +290,7 @@ static void layer_norm_backward_pair_f16(const struct half_scratch *s, const flo
     const float *dya = half_row(s, 0, 0), *dyb = half_row(s, 0, 1);
     const float *xa = half_row(s, 1, 0), *xb = half_row(s, 1, 1);
     float g[2], gx[2];
-    layer_norm_means_f32(dya, xa, mean[0], rstd[0], weight, n, g, gx);
-    layer_norm_means_f32(dyb, xb, mean[1], rstd[1], weight, n, g + 1, gx + 1);
+    layer_norm_means_pair_f32(dya, dyb, xa, xb, mean, rstd, weight, n, g, gx);
     layer_norm_dx_pair_f32(dya, dyb, xa, xb, mean, rstd, weight, g, gx, half_row(s, 2, 0),
                            half_row(s, 2, 1), dw, db, n);
 }
@@ -341,8 +340,7 @@ NORMS_KERNEL int rms_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const fl
         for (; r + 1 < m; r += 2) {
             float *xb = half_row(&s, 0, 1);
             rows_in(&s, 0, x, ldx, r, 2, n);
-            rstd[r] = rms_norm_rstd_f32(xa, n, eps);
-            rstd[r + 1] = rms_norm_rstd_f32(xb, n, eps);
+            rms_norm_rstd_pair_f32(xa, xb, n, eps, rstd + r);
             rms_norm_y_f32(xa, weight, ya, rstd[r], n);
             rms_norm_y_f32(xb, weight, half_row(&s, 1, 1), rstd[r + 1], n);
             rows_out(&s, 1, y, r, 2, n);
@@ -371,8 +369,7 @@ NORMS_KERNEL int rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const
             float *dyb = half_row(&s, 0, 1), *xb = half_row(&s, 1, 1), gx[2];
             rows_in(&s, 0, dy, lddy, r, 2, n);
             rows_in(&s, 1, x, ldx, r, 2, n);
-            gx[0] = rms_norm_mean_f32(dya, xa, rstd[r], weight, n);
-            gx[1] = rms_norm_mean_f32(dyb, xb, rstd[r + 1], weight, n);
+            rms_norm_mean_pair_f32(dya, dyb, xa, xb, rstd + r, weight, n, gx);
             rms_norm_dx_pair_f32(dya, dyb, xa, xb, rstd + r, weight, gx, dxa, half_row(&s, 2, 1),
                                  dweight_blocks + (r / NORMS_BLOCK_ROWS) * n, n);
             rows_out(&s, 2, dx, r, 2, n);

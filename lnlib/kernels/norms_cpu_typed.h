@@ -2,243 +2,145 @@
  *   T       float or double
  *   FN(f)   the name f with the type's suffix (f_f32 or f_f64)
  * Sums over a row: LANES partial sums in T within a block of BLOCK elements, then the block
- * totals in float64, added pairwise (see norms_cpu.c).
+ * totals in float64, added pairwise (see norms_cpu.c); norms_cpu_lanes.h holds the lanes in
+ * vectors of the CPU's width. Rows up to PAIR_MAX long are taken two at a time: each pass
+ * goes over the same block of both rows in one loop.
  */
 
+/* The block sums, once per vector width (norms_cpu_lanes.h); block_sums takes the width
+ * chosen for this CPU (vector_bytes in norms_cpu.c). */
 #if NORMS_VECTORS
-/* One LANES-wide vector of T: the compiler's vector extension, lowered to the registers the
- * target has (one AVX-512 register for 16 floats, two AVX2 ones, four SSE2 ones). Its
- * operations are elementwise, so lane k computes exactly what the scalar loops' acc[k] does. */
-typedef T FN(vec) __attribute__((vector_size(LANES * sizeof(T))));
-
-/* The LANES partial sums of a block, added pairwise in float64: s[k] += s[k + w] for
- * w = 8, 4, 2, 1, as halves of vectors, so that the sums stay in registers. */
-static double FN(lanes_total)(const T *acc)
-{
-    FN(vec) a;
-    memcpy(&a, acc, sizeof a);
-    dvec16 s = __builtin_convertvector(a, dvec16);
-    dvec8 s8, h8;
-    memcpy(&s8, &s, sizeof s8);
-    memcpy(&h8, (const char *)&s + sizeof s8, sizeof h8);
-    s8 += h8;
-    dvec4 s4, h4;
-    memcpy(&s4, &s8, sizeof s4);
-    memcpy(&h4, (const char *)&s8 + sizeof s4, sizeof h4);
-    s4 += h4;
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
+#define VBYTES 64
+#define LW(name) FN(name##_v64)
+#include "norms_cpu_lanes.h"
+#undef LW
+#undef VBYTES
+#define VBYTES 32
+#define LW(name) FN(name##_v32)
+#include "norms_cpu_lanes.h"
+#undef LW
+#undef VBYTES
+#define VBYTES 16
+#define LW(name) FN(name##_v16)
+#include "norms_cpu_lanes.h"
+#undef LW
+#undef VBYTES
 #else
-/* The LANES partial sums of a block, added pairwise in float64. */
-static double FN(lanes_total)(const T *acc)
-{
-    double s[LANES];
-    for (int k = 0; k < LANES; k++)
-        s[k] = acc[k];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int k = 0; k < w; k++)
-            s[k] += s[k + w];
-    return s[0];
-}
+#define VBYTES 0
+#define LW(name) FN(name##_v0)
+#include "norms_cpu_lanes.h"
+#undef LW
+#undef VBYTES
 #endif
 
-/* Each plain block function makes one loop over at most BLOCK elements with one set of LANES
- * partial sums: that is the loop compilers vectorize well (two sets of sums in one plain loop
- * came out 3 times slower with GCC 12). Where the compiler has vector extensions
- * (NORMS_VECTORS), block_sums_dev and block_sums_g below compute two sums in one loop with
- * explicit LANES-wide vectors, lane by lane the same operations as two plain loops. */
-
-/* Sum of x[i] - shift over one block (n <= BLOCK). */
-static double FN(block_sum)(const T *x, ptrdiff_t n, T shift)
+static inline __attribute__((always_inline)) void
+FN(block_sums)(int kind, int rows, const T *xa, const T *xb, const T *dya, const T *dyb,
+               const T *w, ptrdiff_t n, T sha, T shb, double out[4])
 {
-    T acc[LANES] = {0};
-    ptrdiff_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++)
-            acc[k] += x[i + k] - shift;
-    for (int k = 0; i < n; i++, k++)
-        acc[k] += x[i] - shift;
-    return FN(lanes_total)(acc);
-}
-
-/* Sum of (x[i] - shift)^2 over one block. */
-static double FN(block_sum_sq)(const T *x, ptrdiff_t n, T shift)
-{
-    T acc[LANES] = {0};
-    ptrdiff_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++)
-            acc[k] += (x[i + k] - shift) * (x[i + k] - shift);
-    for (int k = 0; i < n; i++, k++)
-        acc[k] += (x[i] - shift) * (x[i] - shift);
-    return FN(lanes_total)(acc);
-}
-
-#if !NORMS_VECTORS
-/* Sum of g[i] = dy[i] * weight[i] over one block. */
-static double FN(block_sum_g)(const T *dy, const T *weight, ptrdiff_t n)
-{
-    T acc[LANES] = {0};
-    ptrdiff_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++)
-            acc[k] += dy[i + k] * weight[i + k];
-    for (int k = 0; i < n; i++, k++)
-        acc[k] += dy[i] * weight[i];
-    return FN(lanes_total)(acc);
-}
+#if NORMS_VECTORS
+    if (vector_bytes_chosen == 64)
+        FN(block_sums_v64)(kind, rows, xa, xb, dya, dyb, w, n, sha, shb, out);
+    else if (vector_bytes_chosen == 32)
+        FN(block_sums_v32)(kind, rows, xa, xb, dya, dyb, w, n, sha, shb, out);
+    else
+        FN(block_sums_v16)(kind, rows, xa, xb, dya, dyb, w, n, sha, shb, out);
+#else
+    FN(block_sums_v0)(kind, rows, xa, xb, dya, dyb, w, n, sha, shb, out);
 #endif
-
-/* Sum of g[i] * (x[i] - shift) over one block. */
-static double FN(block_sum_gxc)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift)
-{
-    T acc[LANES] = {0};
-    ptrdiff_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++)
-            acc[k] += dy[i + k] * weight[i + k] * (x[i + k] - shift);
-    for (int k = 0; i < n; i++, k++)
-        acc[k] += dy[i] * weight[i] * (x[i] - shift);
-    return FN(lanes_total)(acc);
 }
 
+/* The sums of a pass over one row a (rows 1) or two rows a and b (rows 2): each block's sums
+ * (block_sums) added pairwise in float64 per row and per sum; sums[] as block_sums' out[]. */
+static inline __attribute__((always_inline)) void
+FN(row_sums)(int kind, int rows, const T *xa, const T *xb, const T *dya, const T *dyb,
+             const T *w, ptrdiff_t n, T sha, T shb, double sums[4])
+{
+    const int two = kind == SUM_DEV || kind == SUM_G;
+    struct pairwise s[4];
+    for (int k = 0; k < 4; k++)
+        s[k].count = 0;
+    for (ptrdiff_t i = 0; i < n; i += BLOCK) {
+        double b[4];
+        const int g = kind == SUM_G || kind == SUM_GXC;
+        FN(block_sums)(kind, rows, xa + i, rows == 2 ? xb + i : NULL, g ? dya + i : NULL,
+                       g && rows == 2 ? dyb + i : NULL, g ? w + i : NULL, block_len(i, n), sha,
+                       shb, b);
+        for (int k = 0; k < 4; k++)
+            if (k < rows || (two && k - 2 < rows))
+                pairwise_add(&s[k], b[k]);
+    }
+    for (int k = 0; k < 4; k++)
+        if (k < rows || (two && k - 2 < rows))
+            sums[k] = pairwise_total(&s[k]);
+}
+
+/* The passes' sums over one row, by what they sum. */
 static double FN(row_sum)(const T *x, ptrdiff_t n)
 {
-    struct pairwise s;
-    s.count = 0;
-    for (ptrdiff_t i = 0; i < n; i += BLOCK)
-        pairwise_add(&s, FN(block_sum)(x + i, block_len(i, n), 0));
-    return pairwise_total(&s);
+    double s[4];
+    FN(row_sums)(SUM_X, 1, x, NULL, NULL, NULL, NULL, n, 0, 0, s);
+    return s[0];
 }
 
 static double FN(row_sum_sq)(const T *x, ptrdiff_t n)
 {
-    struct pairwise s;
-    s.count = 0;
-    for (ptrdiff_t i = 0; i < n; i += BLOCK)
-        pairwise_add(&s, FN(block_sum_sq)(x + i, block_len(i, n), 0));
-    return pairwise_total(&s);
+    double s[4];
+    FN(row_sums)(SUM_XX, 1, x, NULL, NULL, NULL, NULL, n, 0, 0, s);
+    return s[0];
 }
 
-#if NORMS_VECTORS
-/* Sums of x[i] - shift and of (x[i] - shift)^2 over one block, in one loop: lane by lane the
- * same operations, in the same order, as block_sum and block_sum_sq. */
-static void FN(block_sums_dev)(const T *x, ptrdiff_t n, T shift, double *sum_d, double *sum_dd)
-{
-    FN(vec) acc = {0}, acc2 = {0};
-    ptrdiff_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        FN(vec) d;
-        memcpy(&d, x + i, sizeof d);
-        d = d - shift;
-        acc += d;
-        acc2 += d * d;
-    }
-    T a[LANES], a2[LANES];
-    memcpy(a, &acc, sizeof a);
-    memcpy(a2, &acc2, sizeof a2);
-    for (int k = 0; i < n; i++, k++) {
-        a[k] += x[i] - shift;
-        a2[k] += (x[i] - shift) * (x[i] - shift);
-    }
-    *sum_d = FN(lanes_total)(a);
-    *sum_dd = FN(lanes_total)(a2);
-}
-
-/* Sums of g[i] = dy[i] weight[i] and of g[i] (x[i] - shift) over one block, in one loop: the
- * same operations, lane by lane, as block_sum_g and block_sum_gxc. */
-static void FN(block_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift,
-                             double *sum_g, double *sum_gxc)
-{
-    FN(vec) acc = {0}, acc2 = {0};
-    ptrdiff_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        FN(vec) g, w, d;
-        memcpy(&g, dy + i, sizeof g);
-        memcpy(&w, weight + i, sizeof w);
-        memcpy(&d, x + i, sizeof d);
-        g = g * w;
-        acc += g;
-        acc2 += g * (d - shift);
-    }
-    T a[LANES], a2[LANES];
-    memcpy(a, &acc, sizeof a);
-    memcpy(a2, &acc2, sizeof a2);
-    for (int k = 0; i < n; i++, k++) {
-        a[k] += dy[i] * weight[i];
-        a2[k] += dy[i] * weight[i] * (x[i] - shift);
-    }
-    *sum_g = FN(lanes_total)(a);
-    *sum_gxc = FN(lanes_total)(a2);
-}
-#else
-static void FN(block_sums_dev)(const T *x, ptrdiff_t n, T shift, double *sum_d, double *sum_dd)
-{
-    *sum_d = FN(block_sum)(x, n, shift);
-    *sum_dd = FN(block_sum_sq)(x, n, shift);
-}
-
-static void FN(block_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift,
-                             double *sum_g, double *sum_gxc)
-{
-    *sum_g = FN(block_sum_g)(dy, weight, n);
-    *sum_gxc = FN(block_sum_gxc)(dy, weight, x, n, shift);
-}
-#endif
-
-/* Sums of d[i] = x[i] - shift and of d[i]^2 over a row, in one pass (one loop per block). */
+/* Sums of d[i] = x[i] - shift and of d[i]^2 over a row, in one pass. */
 static void FN(row_sums_dev)(const T *x, ptrdiff_t n, T shift, double *sum_d, double *sum_dd)
 {
-    struct pairwise s_d, s_dd;
-    s_d.count = s_dd.count = 0;
-    for (ptrdiff_t i = 0; i < n; i += BLOCK) {
-        double bd, bdd;
-        FN(block_sums_dev)(x + i, block_len(i, n), shift, &bd, &bdd);
-        pairwise_add(&s_d, bd);
-        pairwise_add(&s_dd, bdd);
-    }
-    *sum_d = pairwise_total(&s_d);
-    *sum_dd = pairwise_total(&s_dd);
+    double s[4];
+    FN(row_sums)(SUM_DEV, 1, x, NULL, NULL, NULL, NULL, n, shift, 0, s);
+    *sum_d = s[0];
+    *sum_dd = s[2];
 }
 
 /* Sum of g[i] (x[i] - shift) over a row, g = dy weight. */
 static double FN(row_sum_gxc)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift)
 {
-    struct pairwise s;
-    s.count = 0;
-    for (ptrdiff_t i = 0; i < n; i += BLOCK)
-        pairwise_add(&s, FN(block_sum_gxc)(dy + i, weight + i, x + i, block_len(i, n), shift));
-    return pairwise_total(&s);
+    double s[4];
+    FN(row_sums)(SUM_GXC, 1, x, NULL, dy, NULL, weight, n, shift, 0, s);
+    return s[0];
 }
 
 /* Sums of g[i] = dy[i] weight[i] and of g[i] (x[i] - shift) over a row, in one pass. */
 static void FN(row_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift,
                            double *sum_g, double *sum_gxc)
 {
-    struct pairwise s_g, s_gxc;
-    s_g.count = s_gxc.count = 0;
-    for (ptrdiff_t i = 0; i < n; i += BLOCK) {
-        double bg, bgxc;
-        FN(block_sums_g)(dy + i, weight + i, x + i, block_len(i, n), shift, &bg, &bgxc);
-        pairwise_add(&s_g, bg);
-        pairwise_add(&s_gxc, bgxc);
-    }
-    *sum_g = pairwise_total(&s_g);
-    *sum_gxc = pairwise_total(&s_gxc);
+    double s[4];
+    FN(row_sums)(SUM_G, 1, x, NULL, dy, NULL, weight, n, shift, 0, s);
+    *sum_g = s[0];
+    *sum_gxc = s[2];
 }
 
-/* LayerNorm of one row: two passes for the statistics, one for y. Only the first pass
- * reads x from memory; the row is in cache for the others. */
-static void FN(layer_norm_stats)(const T *x, ptrdiff_t n, T mu0, double eps, T *mu, T *rs)
+/* The same sums over two rows a and b at once: sums[0], sums[1] the first sum of a and b,
+ * sums[2], sums[3] the second. */
+static inline __attribute__((always_inline)) void
+FN(row_sums_pair)(int kind, const T *xa, const T *xb, const T *dya, const T *dyb, const T *w,
+                  ptrdiff_t n, T sha, T shb, double sums[4])
 {
-    /* corrected two-pass (Chan, Golub and LeVeque): the deviations from mu0 give the
-     * correction of the mean and, in the same pass, the variance */
-    double sum_d, sum_dd;
-    FN(row_sums_dev)(x, n, mu0, &sum_d, &sum_dd);
+    FN(row_sums)(kind, 2, xa, xb, dya, dyb, w, n, sha, shb, sums);
+}
+
+/* mean and rstd from the sums of d = x - mu0 and of d^2 (corrected two-pass: Chan, Golub and
+ * LeVeque): the deviations' mean corrects mu0, and the variance is taken about it. */
+static void FN(layer_norm_finish)(ptrdiff_t n, T mu0, double sum_d, double sum_dd, double eps,
+                                  T *mu, T *rs)
+{
     double delta = sum_d / n;
     double var = sum_dd / n - delta * delta;
     *mu = (T)(mu0 + delta);
     *rs = (T)(1 / sqrt(var + eps));
+}
+
+static void FN(layer_norm_stats)(const T *x, ptrdiff_t n, T mu0, double eps, T *mu, T *rs)
+{
+    double sum_d, sum_dd;
+    FN(row_sums_dev)(x, n, mu0, &sum_d, &sum_dd);
+    FN(layer_norm_finish)(n, mu0, sum_d, sum_dd, eps, mu, rs);
 }
 
 static void FN(layer_norm_y)(const T *x, const T *weight, const T *bias, T *y, T mu, T rs,
@@ -256,17 +158,19 @@ static void FN(layer_norm_forward_row)(const T *x, const T *weight, const T *bia
     FN(layer_norm_y)(x, weight, bias, y, *mean, *rstd, n);
 }
 
-/* Two short rows a and b: each pass of a, then the same pass of b, so that the processor
- * overlaps the two rows' chains of dependent steps (sum, mean, deviations, rstd, y). Each row
- * gets exactly the operations of layer_norm_forward_row. */
+/* Two short rows a and b: each pass of the statistics over both rows in one loop, so that the
+ * processor overlaps the two rows' chains of dependent additions; then y of a, y of b. Each
+ * row gets exactly the operations of layer_norm_forward_row. */
 static void FN(layer_norm_forward_pair)(const T *xa, const T *xb, const T *weight,
                                         const T *bias, T *ya, T *yb, T *mean, T *rstd,
                                         ptrdiff_t n, double eps)
 {
-    T mu0a = (T)(FN(row_sum)(xa, n) / n);
-    T mu0b = (T)(FN(row_sum)(xb, n) / n);
-    FN(layer_norm_stats)(xa, n, mu0a, eps, mean, rstd);
-    FN(layer_norm_stats)(xb, n, mu0b, eps, mean + 1, rstd + 1);
+    double sums[4];
+    FN(row_sums_pair)(SUM_X, xa, xb, NULL, NULL, NULL, n, 0, 0, sums);
+    T mu0a = (T)(sums[0] / n), mu0b = (T)(sums[1] / n);
+    FN(row_sums_pair)(SUM_DEV, xa, xb, NULL, NULL, NULL, n, mu0a, mu0b, sums);
+    FN(layer_norm_finish)(n, mu0a, sums[0], sums[2], eps, mean, rstd);
+    FN(layer_norm_finish)(n, mu0b, sums[1], sums[3], eps, mean + 1, rstd + 1);
     FN(layer_norm_y)(xa, weight, bias, ya, mean[0], rstd[0], n);
     FN(layer_norm_y)(xb, weight, bias, yb, mean[1], rstd[1], n);
 }
@@ -352,6 +256,37 @@ static void FN(rms_norm_dx)(const T *dy, const T *x, T rstd, const T *weight, T 
         dx[i] = rstd * (dy[i] * weight[i] - xhat * mean_gxhat);
         dweight[i] += dy[i] * xhat;
     }
+}
+
+/* layer_norm_means for two rows a and b, their sums in one pass (row_sums_pair). */
+static void FN(layer_norm_means_pair)(const T *dya, const T *dyb, const T *xa, const T *xb,
+                                      const T *mean, const T *rstd, const T *weight,
+                                      ptrdiff_t n, T *mean_g, T *mean_gxhat)
+{
+    double sums[4];
+    FN(row_sums_pair)(SUM_G, xa, xb, dya, dyb, weight, n, mean[0], mean[1], sums);
+    for (int k = 0; k < 2; k++) {
+        mean_g[k] = (T)(sums[k] / n);
+        mean_gxhat[k] = (T)(sums[2 + k] * rstd[k] / n);
+    }
+}
+
+/* rms_norm_rstd and rms_norm_mean for two rows a and b, each pass over both at once. */
+static void FN(rms_norm_rstd_pair)(const T *xa, const T *xb, ptrdiff_t n, double eps, T *rstd)
+{
+    double sums[4];
+    FN(row_sums_pair)(SUM_XX, xa, xb, NULL, NULL, NULL, n, 0, 0, sums);
+    for (int k = 0; k < 2; k++)
+        rstd[k] = (T)(1 / sqrt(sums[k] / n + eps));
+}
+
+static void FN(rms_norm_mean_pair)(const T *dya, const T *dyb, const T *xa, const T *xb,
+                                   const T *rstd, const T *weight, ptrdiff_t n, T *mean_gxhat)
+{
+    double sums[4];
+    FN(row_sums_pair)(SUM_GXC, xa, xb, dya, dyb, weight, n, 0, 0, sums);
+    for (int k = 0; k < 2; k++)
+        mean_gxhat[k] = (T)(sums[k] * rstd[k] / n);
 }
 
 /* One row alone (a long row, or the last of an odd count): the passes in order. */
@@ -440,8 +375,7 @@ NORMS_KERNEL void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *
             double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
             double *db = dbias_blocks + (r / NORMS_BLOCK_ROWS) * n;
             T g[2], gx[2], *dxa = scratch ? scratch : dx + r * n;
-            FN(layer_norm_means)(dya, xa, mean[r], rstd[r], weight, n, g, gx);
-            FN(layer_norm_means)(dyb, xb, mean[r + 1], rstd[r + 1], weight, n, g + 1, gx + 1);
+            FN(layer_norm_means_pair)(dya, dyb, xa, xb, mean + r, rstd + r, weight, n, g, gx);
             FN(layer_norm_dx_pair)(dya, dyb, xa, xb, mean + r, rstd + r, weight, g, gx, dxa,
                                    dxa + n, dw, db, n);
             if (scratch)
@@ -465,8 +399,7 @@ NORMS_KERNEL void FN(rms_norm_forward)(const T *x, ptrdiff_t ldx, const T *weigh
         for (; r + 1 < m; r += 2) {
             const T *xa = x + r * ldx, *xb = xa + ldx;
             T *ya = scratch ? scratch : y + r * n;
-            rstd[r] = FN(rms_norm_rstd)(xa, n, eps);
-            rstd[r + 1] = FN(rms_norm_rstd)(xb, n, eps);
+            FN(rms_norm_rstd_pair)(xa, xb, n, eps, rstd + r);
             FN(rms_norm_y)(xa, weight, ya, rstd[r], n);
             FN(rms_norm_y)(xb, weight, ya + n, rstd[r + 1], n);
             if (scratch)
@@ -489,8 +422,7 @@ NORMS_KERNEL void FN(rms_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x,
             const T *dya = dy + r * lddy, *dyb = dya + lddy, *xa = x + r * ldx, *xb = xa + ldx;
             double *dw = dweight_blocks + (r / NORMS_BLOCK_ROWS) * n;
             T gx[2], *dxa = scratch ? scratch : dx + r * n;
-            gx[0] = FN(rms_norm_mean)(dya, xa, rstd[r], weight, n);
-            gx[1] = FN(rms_norm_mean)(dyb, xb, rstd[r + 1], weight, n);
+            FN(rms_norm_mean_pair)(dya, dyb, xa, xb, rstd + r, weight, n, gx);
             FN(rms_norm_dx_pair)(dya, dyb, xa, xb, rstd + r, weight, gx, dxa, dxa + n, dw, n);
             if (scratch)
                 stream_copy(dx + r * n, scratch, 2 * n, sizeof(T));
