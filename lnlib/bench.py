@@ -593,7 +593,7 @@ def _cpu_path():
     info = kernels.info()
     if not info["kernel"]:
         return f"NumPy ({info['reason']})"
-    return f"compiled C kernel ({info['version']} version)"
+    return f"compiled C kernel ({info['version']} version, {info['vector_bytes']}-byte vectors)"
 
 
 def format_table(results, copy, machine=None):
