@@ -3,7 +3,8 @@ them fast.
 
 Run ``python -m lnlib.bench`` (``--help`` for the options). For each op, shape and dtype it
 times, in one process and interleaved (each repeat runs every contender once, in turn, so that
-a slow moment of the machine hits all of them alike):
+a slow moment of the machine hits all of them alike; each timed call starts after a pause of
+``--pause-ms``, 20 ms by default, so that the threads of the call before have gone idle):
 
 * ``lnlib_fwd``: :func:`lnlib.layer_norm_forward` (or :func:`lnlib.rms_norm_forward`),
   returning new arrays as torch does;
@@ -72,14 +73,24 @@ def parse_shapes(text):
     return shapes
 
 
-def _median_times(tasks, repeats, warmup=1):
-    """Run each task once per repeat, in turn; return {name: [seconds, ...]}."""
+#: Seconds of sleep before each timed call (``--pause-ms``): long enough for the threads of the
+#: call before to go idle. PyTorch's OpenMP workers spin for a few milliseconds after each call;
+#: without a pause, the call timed next had one core fewer (chapter 5 gives the measurement).
+PAUSE_S = 0.02
+
+
+def _median_times(tasks, repeats, warmup=1, pause=None):
+    """Run each task once per repeat, in turn, after ``pause`` seconds idle (default
+    :data:`PAUSE_S`); return {name: [seconds, ...]}."""
+    pause = PAUSE_S if pause is None else pause
     for _ in range(warmup):
         for fn in tasks.values():
             fn()
     times = {name: [] for name in tasks}
     for _ in range(repeats):
         for name, fn in tasks.items():
+            if pause > 0:
+                time.sleep(pause)
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -658,16 +669,24 @@ def run(
     copy_bytes=1 << 28,
     copy_repeats=None,
     ops=("layer_norm",),
+    pause_s=None,
 ):
-    """Run the benchmark and return the results as a JSON-ready dict."""
-    copy = copy_bandwidth(copy_bytes, copy_repeats or repeats)
-    out = {"machine": machine_info(), "copy": copy, "results": [], "steps": []}
-    for dtype in dtypes:
-        for shape in shapes:
-            for op in ops:
-                out["results"].append(bench_shape(shape, dtype, repeats, copy, op=op))
-            if steps and dtype == np.float32:  # the chapter's figure: float32
-                out["steps"].append(bench_steps(shape, dtype, repeats, copy["best_GBps"]))
+    """Run the benchmark and return the results as a JSON-ready dict (``pause_s``: the idle
+    seconds before each timed call, default :data:`PAUSE_S`)."""
+    global PAUSE_S
+    before, PAUSE_S = PAUSE_S, PAUSE_S if pause_s is None else pause_s
+    try:
+        copy = copy_bandwidth(copy_bytes, copy_repeats or repeats)
+        out = {"machine": machine_info(), "copy": copy, "results": [], "steps": []}
+        out["pause_s"] = PAUSE_S
+        for dtype in dtypes:
+            for shape in shapes:
+                for op in ops:
+                    out["results"].append(bench_shape(shape, dtype, repeats, copy, op=op))
+                if steps and dtype == np.float32:  # the chapter's figure: float32
+                    out["steps"].append(bench_steps(shape, dtype, repeats, copy["best_GBps"]))
+    finally:
+        PAUSE_S = before
     return out
 
 
@@ -697,6 +716,13 @@ def _parser():
         help="also time the successive optimisation steps of the float32 forward",
     )
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
+    p.add_argument(
+        "--pause-ms",
+        type=float,
+        default=PAUSE_S * 1e3,
+        help=f"idle milliseconds before each timed call (default {PAUSE_S * 1e3:g}; 0: none), "
+        "so that the threads of the call before (torch's spinning OpenMP workers) are idle",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -745,7 +771,17 @@ def main(argv=None):
     if repeats < 1:
         p.error("--repeats: expected a positive number")
     copy_bytes = (1 << 26) if args.quick else (1 << 28)
-    result = run(shapes, dtypes, repeats, steps=args.steps, copy_bytes=copy_bytes, ops=ops)
+    if args.pause_ms < 0:
+        p.error("--pause-ms: expected a number >= 0")
+    result = run(
+        shapes,
+        dtypes,
+        repeats,
+        steps=args.steps,
+        copy_bytes=copy_bytes,
+        ops=ops,
+        pause_s=args.pause_ms / 1e3,
+    )
     result["command"] = "python -m lnlib.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     print(format_table(result["results"], result["copy"], result["machine"]))
     if result["steps"]:

@@ -127,3 +127,26 @@ def test_thread_crossover_times_both_ways():
         assert r["bytes"] == 4096 * np.dtype(r["dtype"]).itemsize
         assert all(r[k] > 0 for k in ("fwd_1", "bwd_1", f"fwd_{c}", f"bwd_{c}"))
     assert "one thread against all cores" in bench.format_crossover(rows)
+
+
+def test_each_timed_call_starts_after_the_pause_which_is_not_timed():
+    starts = []
+
+    def task():
+        starts.append(bench.time.perf_counter())
+
+    times = bench._median_times({"a": task, "b": task}, repeats=3, warmup=0, pause=0.01)
+    assert len(starts) == 6 and all(len(v) == 3 for v in times.values())
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 0.01  # a pause before each call
+    assert max(max(v) for v in times.values()) < 0.005  # and not inside the timing
+
+
+def test_pause_option_is_recorded_and_checked(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["--quick", "--shapes", "8x32", "--repeats", "1", "--out", str(out)]
+    bench.main([*args, "--pause-ms", "5"])
+    assert json.loads(out.read_text())["pause_s"] == pytest.approx(0.005)
+    assert bench.PAUSE_S == 0.02  # the run's setting does not outlive it
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--pause-ms", "-1"])
+    assert "--pause-ms" in capsys.readouterr().err
