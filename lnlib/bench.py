@@ -3,8 +3,8 @@ them fast.
 
 Run ``python -m lnlib.bench`` (``--help`` for the options). For each op, shape and dtype it
 times, in one process and interleaved (each repeat runs every contender once, in turn, so that
-a slow moment of the machine hits all of them alike; each timed call starts after a pause of
-``--pause-ms``, 20 ms by default, so that the threads of the call before have gone idle):
+a slow moment of the machine hits all of them alike; ``--pause-ms`` sleeps before each timed
+call, so that the threads of the call before have gone idle):
 
 * ``lnlib_fwd``: :func:`lnlib.layer_norm_forward` (or :func:`lnlib.rms_norm_forward`),
   returning new arrays as torch does;
@@ -73,10 +73,11 @@ def parse_shapes(text):
     return shapes
 
 
-#: Seconds of sleep before each timed call (``--pause-ms``): long enough for the threads of the
-#: call before to go idle. PyTorch's OpenMP workers spin for a few milliseconds after each call;
-#: without a pause, the call timed next had one core fewer (chapter 5 gives the measurement).
-PAUSE_S = 0.02
+#: Seconds of sleep before each timed call (``--pause-ms``; default none: the calls run back to
+#: back). PyTorch's OpenMP workers spin for a few milliseconds after each call, so the call
+#: timed next may find one core busy; a pause of 20 ms lets them go idle, but on a shared
+#: virtual machine it also times each call from a cold start (chapter 5 shows both).
+PAUSE_S = 0.0
 
 
 def _median_times(tasks, repeats, warmup=1, pause=None):
@@ -720,8 +721,8 @@ def _parser():
         "--pause-ms",
         type=float,
         default=PAUSE_S * 1e3,
-        help=f"idle milliseconds before each timed call (default {PAUSE_S * 1e3:g}; 0: none), "
-        "so that the threads of the call before (torch's spinning OpenMP workers) are idle",
+        help=f"idle milliseconds before each timed call (default {PAUSE_S * 1e3:g}: none), so "
+        "that the threads of the call before (torch's spinning OpenMP workers) are idle",
     )
     p.add_argument(
         "--quick",
