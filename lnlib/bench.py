@@ -76,7 +76,11 @@ def parse_shapes(text):
 #: Seconds of sleep before each timed call (``--pause-ms``; default none: the calls run back to
 #: back). PyTorch's OpenMP workers spin for a few milliseconds after each call, so the call
 #: timed next may find one core busy; a pause of 20 ms lets them go idle, but on a shared
-#: virtual machine it also times each call from a cold start (chapter 5 shows both).
+#: virtual machine it also times each call from a cold start. On the 2-core machine of chapter
+#: 5 (``--ops layer_norm,rms_norm --shapes 4096x4096,256x1024,1024x256``, with and without
+#: ``--pause-ms 20``): the 4096 x 4096 float32 LayerNorm forward returning new arrays took
+#: 17.6 ms back to back and 12.2 ms after the pause (torch 30.7 and 28.5 ms), while the calls
+#: on 1 MiB took 3 to 80 times longer for both sides after the pause.
 PAUSE_S = 0.0
 
 
