@@ -29,7 +29,14 @@ export JUPYTER_PLATFORM_DIRS := 1
 .PHONY: book test unit nbval nbval-avx2 nbval-1thread chromium browser-test env clean \
         sync-url lock execute
 
+# The execution cache is keyed on the notebooks' code cells only: a change to lnlib (its code or
+# its committed results in lnlib/data) leaves them unchanged, so the cache is cleared then.
+CACHE_DB := _build/.jupyter_cache/global.db
+
 book: env
+	@if [ -f $(CACHE_DB) ] && [ -n "$$(find lnlib -newer $(CACHE_DB) -type f -print -quit)" ]; then \
+		echo "lnlib changed since the notebooks were cached: clearing _build/.jupyter_cache"; \
+		rm -rf _build/.jupyter_cache; fi
 	$(BIN)/jupyter-book build . $(JB_OPTS)
 	@echo
 	@echo "The book is in _build/html. Open: file://$(CURDIR)/_build/html/index.html"
