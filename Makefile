@@ -10,6 +10,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 LOCK    := requirements/lock.txt
 NODEPS  := requirements/no-deps.txt
+TORCH_CUDA := requirements/torch-cuda.txt
 STAMP   := $(VENV)/.installed-lock
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
@@ -78,9 +79,18 @@ env: $(STAMP)
 # Re-install only when the lock files (or pyproject.toml) changed since the last install.
 # Every pin carries its hashes; no-deps.txt holds the packages installed without their
 # declared dependencies (see the comment in it).
-$(STAMP): $(LOCK) $(NODEPS) pyproject.toml
+# The lock is complete (pip-compile), so it installs without resolving dependencies. Its torch pin
+# matches PyPI's wheels and, where a machine has it, the local CPU build (preferred); PyPI's Linux
+# build is the CUDA one, whose libraries (requirements/torch-cuda.txt) are added only when the
+# torch installed declares them (tools/torch_deps.py lists what it lacks).
+$(STAMP): $(LOCK) $(NODEPS) $(TORCH_CUDA) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r $(LOCK)
+	@if [ -n "$$($(BIN)/python tools/torch_deps.py)" ]; then \
+	    echo "--- torch is PyPI's CUDA build: installing its libraries ($(TORCH_CUDA))"; \
+	    $(BIN)/python -m pip install --quiet --require-hashes --no-deps -r $(TORCH_CUDA); fi
+	@unmet="$$($(BIN)/python tools/torch_deps.py)"; test -z "$$unmet" || \
+	    { echo "torch's requirements are not met after the install: $$unmet" >&2; exit 1; }
 	$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r $(NODEPS)
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (lnlib)"
@@ -98,7 +108,8 @@ sync-url: env
 # Regenerate requirements/lock.txt from pyproject.toml's extras (notebooks, test, book) and
 # build requirements with pip-tools: exact pins, their hashes, and after each pin the extra or
 # package it comes from. Existing pins are kept where they still satisfy pyproject.toml; to
-# move one, delete its entry from the lock file first.
+# move one, delete its entry from the lock file first. tools/lock_torch.py then turns the torch pin
+# into one the public registry serves and writes requirements/torch-cuda.txt.
 PIP_TOOLS := pip-tools==7.6.2
 lock:
 	rm -rf _build/lockvenv && $(PYTHON) -m venv _build/lockvenv
@@ -106,6 +117,7 @@ lock:
 	_build/lockvenv/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	    --no-emit-index-url --no-emit-find-links --all-build-deps \
 	    --extra notebooks --extra test --extra book -o $(LOCK) pyproject.toml
+	_build/lockvenv/bin/python tools/lock_torch.py _build/lockvenv/bin/pip-compile
 	rm -rf _build/lockvenv
 
 # On a machine with an NVIDIA GPU: the GPU tests (LNLIB_REQUIRE_GPU=1), compute-sanitizer
