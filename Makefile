@@ -10,6 +10,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 LOCK    := requirements/lock.txt
 NODEPS  := requirements/no-deps.txt
+TORCH_CPU  := requirements/torch-cpu.txt
 TORCH_CUDA := requirements/torch-cuda.txt
 STAMP   := $(VENV)/.installed-lock
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
@@ -80,11 +81,15 @@ env: $(STAMP)
 # Every pin carries its hashes; no-deps.txt holds the packages installed without their
 # declared dependencies (see the comment in it).
 # The lock is complete (pip-compile), so it installs without resolving dependencies. Its torch pin
-# matches PyPI's wheels and, where a machine has it, the local CPU build (preferred); PyPI's Linux
-# build is the CUDA one, whose libraries (requirements/torch-cuda.txt) are added only when the
-# torch installed declares them (tools/torch_deps.py lists what it lacks).
-$(STAMP): $(LOCK) $(NODEPS) $(TORCH_CUDA) pyproject.toml
+# is PyPI's; where a machine has torch's CPU build (requirements/torch-cpu.txt, not on PyPI), that
+# goes in first and satisfies the pin. PyPI's Linux build is the CUDA one, whose libraries
+# (requirements/torch-cuda.txt) are added only when the torch installed declares them
+# (tools/torch_deps.py lists what it lacks).
+$(STAMP): $(LOCK) $(NODEPS) $(TORCH_CPU) $(TORCH_CUDA) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r $(TORCH_CPU) 2>/dev/null \
+	    && echo "--- torch: the CPU build found on this machine ($(TORCH_CPU))" \
+	    || echo "--- torch: no CPU build on this machine, PyPI's build (the lock's pin)"
 	$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r $(LOCK)
 	@if [ -n "$$($(BIN)/python tools/torch_deps.py)" ]; then \
 	    echo "--- torch is PyPI's CUDA build: installing its libraries ($(TORCH_CUDA))"; \
@@ -108,8 +113,9 @@ sync-url: env
 # Regenerate requirements/lock.txt from pyproject.toml's extras (notebooks, test, book) and
 # build requirements with pip-tools: exact pins, their hashes, and after each pin the extra or
 # package it comes from. Existing pins are kept where they still satisfy pyproject.toml; to
-# move one, delete its entry from the lock file first. tools/lock_torch.py then turns the torch pin
-# into one the public registry serves and writes requirements/torch-cuda.txt.
+# move one, delete its entry from the lock file first. tools/lock_torch.py then moves a local
+# torch build (X+cpu) into requirements/torch-cpu.txt, pins PyPI's X in the lock and writes
+# requirements/torch-cuda.txt.
 PIP_TOOLS := pip-tools==7.6.2
 lock:
 	rm -rf _build/lockvenv && $(PYTHON) -m venv _build/lockvenv

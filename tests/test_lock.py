@@ -73,6 +73,11 @@ def test_the_torch_pin_has_no_local_label():
     assert "+" not in pins(REQ / "lock.txt")["torch"]
 
 
+def test_the_cpu_build_is_the_release_the_lock_pins():
+    local = pins(REQ / "torch-cpu.txt")["torch"]
+    assert local.split("+")[0] == pins(REQ / "lock.txt")["torch"] and "+" in local
+
+
 def _fake_distribution(site: Path, name: str, version: str, requires: list[str]) -> None:
     info = site / f"{name}-{version}.dist-info"
     info.mkdir(parents=True)
