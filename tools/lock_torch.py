@@ -133,7 +133,8 @@ def main(pip_compile: str) -> None:
             ],
             check=True,
         )
-        TORCH_CUDA.write_text(HEADER.format(version=version) + out.read_text())
+        compiled = out.read_text().replace(f"-r {source}", "torch (PyPI's Linux wheels)")
+        TORCH_CUDA.write_text(HEADER.format(version=version) + compiled)
 
 
 if __name__ == "__main__":
