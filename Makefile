@@ -126,8 +126,10 @@ lock:
 	_build/lockvenv/bin/python tools/lock_torch.py _build/lockvenv/bin/pip-compile
 	rm -rf _build/lockvenv
 
-# On a machine with an NVIDIA GPU: the GPU tests (LNLIB_REQUIRE_GPU=1), compute-sanitizer
-# memcheck/racecheck and the GPU benchmark; logs and JSON in $(GPU_OUT). Needs no .venv.
+# On a machine with an NVIDIA GPU: the GPU tests and CuPy test variants (LNLIB_REQUIRE_GPU=1), the
+# GPU benchmark, an ncu reading, compute-sanitizer memcheck/racecheck, each under its own time
+# limit (under 8 minutes in all); at most 7 files in $(GPU_OUT), summary.txt first. Needs no .venv,
+# installs nothing (the GPU machine has no network): it names what is missing and goes on.
 GPU_OUT ?= _build/gpu
 .PHONY: gpu-check
 gpu-check:
