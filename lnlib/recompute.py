@@ -14,8 +14,10 @@ a condition, :math:`\gamma_j \ne 0` for every feature (where :math:`\gamma_j = 0
 carries no information about :math:`\hat{x}_j`, which the gradient still needs). Fused GPU
 kernels such as Apex's "memory-efficient" LayerNorm make the same trade.
 
-The accuracy cost: :math:`\hat{x}` is rebuilt from ``y`` rounded to the output dtype, so in
-float16 the gradient inherits float16 rounding of ``y`` amplified by :math:`1/|\gamma|`.
+The accuracy cost: :math:`\hat{x}` is rebuilt from ``y`` rounded to the output dtype, an
+error of about :math:`u\,(|\hat{x}| + |\beta|/|\gamma|)` with :math:`u` that dtype's unit
+roundoff. With :math:`\beta = 0` that is :math:`u|\hat{x}|`, no more than rounding ``dx`` to
+the same dtype costs; with a bias it grows like :math:`|\beta|/|\gamma|`.
 
 Covered in :ref:`sec-ch05-recompute`.
 """

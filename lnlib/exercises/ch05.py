@@ -12,7 +12,7 @@ checker                             the reader writes
 :func:`check_backward_from_output`  ``fn(dy, y, rstd, weight, bias) -> dx``
 :func:`check_min_time`              ``fn(M, H, itemsize, bandwidth_GBps, backward=False) -> s``
 :func:`check_sharded_rms_rstd`      ``fn(shards, eps) -> rstd`` of RMSNorm over sharded rows
-:func:`check_lane_sum`              ``fn(x, lanes=16) -> sums``, in a fixed lane order
+:func:`check_lane_sum`              ``fn(x, lanes=16) -> sums``, in the kernel's lane order
 ==================================  ===================================================
 
 The book derives each of them in Chapter 5.
@@ -244,34 +244,36 @@ def check_sharded_rms_rstd(fn: Callable[..., Any]) -> CheckResult:
 
 
 def _ref_lane_sum(x, lanes=16):
-    """Sum over the last axis in ``lanes`` partial sums combined pairwise (exercise 5.6)."""
+    """Sum over the last axis as lnlib's CPU kernel sums one block of a row (exercise 5.6):
+    element ``i`` added, in order, to lane ``i % lanes`` in the dtype of ``x``, the lanes
+    then widened to float64 and added pairwise (``norms_cpu_lanes.h``)."""
     x = np.asarray(x)
     n = x.shape[-1]
-    full = n // lanes * lanes
     acc = np.zeros(x.shape[:-1] + (lanes,), dtype=x.dtype)  # one partial sum per lane
-    for i in range(0, full, lanes):
-        acc += x[..., i : i + lanes]
-    tail = np.zeros(x.shape[:-1], dtype=x.dtype)  # the last n mod lanes elements, in order
-    for i in range(full, n):
-        tail += x[..., i]
+    for i in range(0, n, lanes):
+        group = x[..., i : i + lanes]  # the last group may be short: lanes 0, 1, ... only
+        acc[..., : group.shape[-1]] += group
+    acc = acc.astype(np.float64)  # exact: every float32 or float64 is a float64
     width = lanes // 2
     while width:
         acc[..., :width] += acc[..., width : 2 * width]
         width //= 2
-    return acc[..., 0] + tail
+    return acc[..., 0]
 
 
 def check_lane_sum(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x, lanes=16) -> sums``: the sum over the last axis of ``x`` (float32 or
-    float64, any number of leading axes), computed in the lane order that vectorised kernels
-    use (lnlib's compiled kernel sums each block of a row this way), with every operation in
-    the dtype of ``x``, so that the result is equal **bit for bit**:
+    float64, any number of leading axes, at most 256 values per row: one block of lnlib's
+    compiled kernel) in the order in which the kernel sums a block, so that the float64
+    result is equal **bit for bit**:
 
-    element ``i`` of the first ``n // lanes * lanes`` is added, in order, to partial sum
-    ``i % lanes``; the remaining elements are added, in order, to a separate ``tail``; the
-    partial sums are then combined pairwise, ``acc[k] += acc[k + w]`` for ``k < w`` and
-    ``w = lanes/2, lanes/4, ..., 1``; the result is ``acc[0] + tail``. ``lanes`` is a power
-    of two.
+    element ``i`` is added, in order, to partial sum (lane) ``i % lanes``, in the dtype of
+    ``x`` (so the last ``n % lanes`` elements go to lanes ``0, 1, ...``); the lanes are then
+    converted to float64 and combined pairwise in float64, ``acc[k] += acc[k + w]`` for
+    ``k < w`` and ``w = lanes/2, lanes/4, ..., 1``; the result is ``acc[0]``, a float64.
+    ``lanes`` is a power of two. The kernel uses 16 lanes, cuts longer rows into blocks of
+    256 and adds the blocks' totals pairwise in float64 (float16 rows are converted to
+    float32 first).
     """
     rng = _rng()
 
@@ -279,12 +281,13 @@ def check_lane_sum(fn: Callable[..., Any]) -> CheckResult:
         return (1000 + rng.normal(size=shape)).astype(dtype)  # a large mean: order shows
 
     cases = [
-        Case("float32 rows of 4099 values (mean 1000)", rows((6, 4099))),
-        Case("rows of exactly 16 values", rows((5, 16))),
-        Case("rows shorter than the lanes (5 values: tail only)", rows((4, 5))),
+        Case("float32 rows of 256 values (mean 1000): one full block", rows((64, 256))),
+        Case("float32 rows of 250 values: 10 left over after 15 groups", rows((64, 250))),
+        Case("rows of exactly 16 values", rows((16, 16))),
+        Case("rows shorter than the lanes (5 values)", rows((8, 5))),
         Case("rows of 1 value", rows((3, 1))),
-        Case("lanes=4 on rows of 37 values", rows((4, 37)), {"lanes": 4}),
-        Case("float64 rows of 1000 values", rows((3, 1000), np.float64)),
+        Case("lanes=4 on rows of 37 values", rows((16, 37)), {"lanes": 4}),
+        Case("float64 rows of 203 values", 1e8 * rows((32, 203), np.float64)),
         Case("three dimensions (2, 3, 70)", rows((2, 3, 70))),
     ]
     return check(

@@ -1,6 +1,7 @@
 """The Chapter 5 checkers pass correct solutions and catch typical mistakes."""
 
 import numpy as np
+import pytest
 
 from lnlib.exercises import ch05
 
@@ -60,6 +61,21 @@ def sharded_rms_mean_of_means(shards, eps):
 
 def lane_sum(x, lanes=16):
     n = x.shape[-1]
+    acc = np.zeros(x.shape[:-1] + (lanes,), x.dtype)
+    for i in range(0, n, lanes):
+        group = x[..., i : i + lanes]
+        acc[..., : group.shape[-1]] += group
+    acc = acc.astype(np.float64)
+    w = lanes // 2
+    while w:
+        acc[..., :w] += acc[..., w : 2 * w]
+        w //= 2
+    return acc[..., 0]
+
+
+def lane_sum_old_exercise(x, lanes=16):
+    """The exercise's first version: a separate tail, every operation in the dtype of x."""
+    n = x.shape[-1]
     full = n // lanes * lanes
     acc = np.zeros(x.shape[:-1] + (lanes,), x.dtype)
     for i in range(0, full, lanes):
@@ -75,17 +91,91 @@ def lane_sum(x, lanes=16):
 
 
 def lane_sum_lanes_added_in_order(x, lanes=16):
-    n = x.shape[-1]
-    full = n // lanes * lanes
     acc = np.zeros(x.shape[:-1] + (lanes,), x.dtype)
-    for i in range(0, full, lanes):
-        acc += x[..., i : i + lanes]
-    total = np.zeros(x.shape[:-1], x.dtype)
+    for i in range(0, x.shape[-1], lanes):
+        group = x[..., i : i + lanes]
+        acc[..., : group.shape[-1]] += group
+    total = np.zeros(x.shape[:-1])
     for k in range(lanes):
         total += acc[..., k]
-    for i in range(full, n):
-        total += x[..., i]
     return total
+
+
+def lane_sum_lanes_in_dtype(x, lanes=16):
+    """Right lanes, but the pairwise combination in the dtype of x."""
+    acc = np.zeros(x.shape[:-1] + (lanes,), x.dtype)
+    for i in range(0, x.shape[-1], lanes):
+        group = x[..., i : i + lanes]
+        acc[..., : group.shape[-1]] += group
+    w = lanes // 2
+    while w:
+        acc[..., :w] += acc[..., w : 2 * w]
+        w //= 2
+    return acc[..., 0].astype(np.float64)
+
+
+_SHIM = """
+#include "norms_cpu.c"
+double lane_block_sum_f32(const float *x, ptrdiff_t n) { return row_sum_f32(x, n); }
+double lane_block_sum_f64(const double *x, ptrdiff_t n) { return row_sum_f64(x, n); }
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel_block_sum(tmp_path_factory):
+    """The kernel's own row sum (static in norms_cpu.c), built once into a small library."""
+    import importlib.util
+    import shutil
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    import cffi
+
+    kernel_dir = Path(ch05.__file__).resolve().parents[1] / "kernels"
+    spec = importlib.util.spec_from_file_location("build_norms", kernel_dir / "build_norms.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not shutil.which(cc):
+        pytest.skip(f"no C compiler ({cc}) to build the kernel's row sum")
+    tmp_path = tmp_path_factory.mktemp("lane_shim")
+    src, lib = tmp_path / "lane_shim.c", tmp_path / "lane_shim.so"
+    src.write_text(_SHIM)
+    cmd = [cc, *builder.FLAGS, "-DNORMS_NO_CLONES", "-shared", "-fPIC", f"-I{kernel_dir}"]
+    subprocess.run([*cmd, "-o", str(lib), str(src), "-lm"], check=True)
+    ffi = cffi.FFI()
+    ffi.cdef(
+        "double lane_block_sum_f32(const float *x, ptrdiff_t n);"
+        "double lane_block_sum_f64(const double *x, ptrdiff_t n);"
+    )
+    so = ffi.dlopen(str(lib))
+
+    def sums(x):
+        ctype, f = ("float", so.lane_block_sum_f32)
+        if x.dtype == np.float64:
+            ctype, f = ("double", so.lane_block_sum_f64)
+        return np.array([f(ffi.from_buffer(ctype + "[]", row), row.size) for row in x])
+
+    return sums
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lane_sum_is_the_kernels_block_sum(kernel_block_sum, dtype):
+    """The exercise's order is the kernel's, bit for bit, on rows of 1 to 256 values (one
+    block), and the exercise's first version (separate tail, lanes added in the dtype of x)
+    is not."""
+    kernel_sum = kernel_block_sum
+    rng = np.random.default_rng(0)
+    old_differs = rows = 0
+    for n in range(1, 257):
+        x = (1000 + rng.normal(size=(16, n))).astype(dtype)
+        expected = kernel_sum(x)
+        np.testing.assert_array_equal(ch05._ref_lane_sum(x), expected, err_msg=f"n = {n}")
+        np.testing.assert_array_equal(lane_sum(x), expected, err_msg=f"n = {n}")
+        old_differs += int(np.sum(lane_sum_old_exercise(x) != expected))
+        rows += x.shape[0]
+    assert old_differs > rows // 10
 
 
 def test_correct_solutions_pass(capsys):
@@ -106,11 +196,13 @@ def test_mistakes_are_caught(capsys):
     assert not ch05.check_sharded_rms_rstd(sharded_rms_mean_of_means)
     assert not ch05.check_lane_sum(lambda x, lanes=16: x.sum(axis=-1))
     assert not ch05.check_lane_sum(lane_sum_lanes_added_in_order)
+    assert not ch05.check_lane_sum(lane_sum_old_exercise)
+    assert not ch05.check_lane_sum(lane_sum_lanes_in_dtype)
 
     def in_float64(x, lanes=16):
-        return lane_sum(x.astype(np.float64)).astype(x.dtype)
+        return lane_sum(x.astype(np.float64))
 
     assert not ch05.check_lane_sum(in_float64)
     out = capsys.readouterr().out
-    assert out.count("FAIL") == 8
+    assert out.count("FAIL") == 10
     assert "a mean of 1e8" in out
