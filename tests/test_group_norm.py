@@ -1,5 +1,7 @@
 """GroupNorm: against PyTorch, the reference and finite differences; batch invariance; errors."""
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 import torch
@@ -154,6 +156,50 @@ def test_float16_statistics_are_used_in_float32(rng):
     _, mean, rstd = lnlib.group_norm_forward(x, 2, w, b)
     got = lnlib.group_norm_backward(dy, x, mean.astype(np.float16), rstd.astype(np.float16), 2, w)
     assert got[0].dtype == np.float32 and all(np.all(np.isfinite(a)) for a in got)
+
+
+@pytest.mark.parametrize("shape", [(0, 6), (0, 6, 7), (0, 6, 2, 3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ["cpu_path", "reference"])
+def test_empty_batch_gives_empty_results_like_torch(shape, dtype, rows):
+    """N = 0, as torch: y and dx empty of the shape and dtype of x, mean/rstd (0, G) in the
+    accumulation dtype, dweight/dbias zeros (nothing is summed), with every row implementation."""
+    x = np.zeros(shape, dtype)
+    w, b = np.full(6, 2.0, dtype), np.ones(6, dtype)
+    acc = np.float64 if dtype == np.float64 else np.float32
+    with lnlib.use_implementation("reference") if rows == "reference" else nullcontext():
+        for weight, bias in ((w, b), (None, None)):
+            y, mean, rstd = lnlib.group_norm_forward(x, 3, weight, bias)
+            assert (y.shape, y.dtype) == (shape, dtype)
+            assert (mean.shape, mean.dtype) == (rstd.shape, rstd.dtype) == ((0, 3), acc)
+            dx, dw, db = lnlib.group_norm_backward(x, x, mean, rstd, 3, weight)
+            assert (dx.shape, dx.dtype) == (shape, dtype)
+            for d in (dw, db):
+                assert d.shape == (6,) and d.dtype == dtype
+                np.testing.assert_array_equal(d, np.zeros(6))
+        layer = lnlib.GroupNorm(3, 6, dtype=dtype)
+        assert layer(x).shape == shape and layer.backward(x).shape == shape
+        np.testing.assert_array_equal(layer.dweight, np.zeros(6))
+    tx = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    tw, tb = (torch.ones(6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    want = F.group_norm(tx, 3, tw, tb)  # torch's answer for an empty batch: empty, no error
+    assert tuple(want.shape) == shape
+
+
+def test_torch_bridge_empty_batch(rng):
+    from lnlib import torch_bridge as tb
+
+    got = {}
+    for name, fn in (("lnlib", tb.group_norm), ("torch", F.group_norm)):
+        x = torch.zeros((0, 6, 7), requires_grad=True)
+        w = torch.from_numpy(rng.standard_normal(6).astype(np.float32)).requires_grad_()
+        b = torch.zeros(6, requires_grad=True)
+        y = fn(x, 3, w, b)
+        y.backward(torch.ones_like(y))
+        got[name] = (y, x.grad, w.grad, b.grad)
+    for ours, theirs in zip(got["lnlib"], got["torch"]):
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs)
 
 
 @pytest.mark.parametrize(
