@@ -679,6 +679,18 @@ __all__ += [
 ]
 
 
+def _memory_format(x):
+    """The memory format torch's GroupNorm keeps for ``x``: channels-last (4-D) and
+    channels-last-3d (5-D) inputs give outputs and gradients in that layout, others
+    contiguous."""
+    if not x.is_contiguous():
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+            return torch.channels_last_3d
+    return torch.contiguous_format
+
+
 class GroupNormFunction(torch.autograd.Function):
     r"""Autograd function for GroupNorm whose forward and backward are lnlib's.
 
@@ -714,7 +726,8 @@ class GroupNormFunction(torch.autograd.Function):
         Returns
         -------
         y : torch.Tensor, shape and dtype of ``x``
-            The output.
+            The output, in the memory format of ``x`` (channels-last stays channels-last,
+            as in torch; the gradient too).
         mean, rstd : torch.Tensor, shape ``(N, G)``
             Statistics of each group (marked not differentiable).
 
@@ -730,7 +743,8 @@ class GroupNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean_t, rstd_t)
         ctx.num_groups, ctx.has_bias = num_groups, bias is not None
         ctx.mark_non_differentiable(mean_t, rstd_t)
-        return _to_tensor(y, x), mean_t, rstd_t
+        # lnlib returns y contiguous; a channels-last x gets y channels-last, as in torch
+        return _to_tensor(y, x).contiguous(memory_format=_memory_format(x)), mean_t, rstd_t
 
     @staticmethod
     @first_order_only
@@ -769,7 +783,7 @@ class GroupNormFunction(torch.autograd.Function):
         )
         grads = [None] * 5
         if ctx.needs_input_grad[0]:
-            grads[0] = _to_tensor(dx, x)
+            grads[0] = _to_tensor(dx, x).contiguous(memory_format=_memory_format(x))
         if weight is not None and ctx.needs_input_grad[2]:
             grads[2] = _to_tensor(dweight, weight)
         if ctx.has_bias and ctx.needs_input_grad[3]:
@@ -882,7 +896,9 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     Returns
     -------
     torch.Tensor
-        Shape and dtype of ``x``; differentiable with respect to ``x``, ``weight``, ``bias``.
+        Shape, dtype and memory format (channels-last or not, as ``torch.nn.functional
+        .group_norm`` keeps it) of ``x``; differentiable with respect to ``x``, ``weight``,
+        ``bias``; the gradient of ``x`` has its memory format too.
 
     Raises
     ------

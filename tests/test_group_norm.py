@@ -308,3 +308,41 @@ def test_one_sample_is_the_same_in_any_batch(n, groups, per, spatial, seed, dtyp
     np.testing.assert_array_equal(
         lnlib.group_norm_backward(dy[i : i + 1], x[i : i + 1], m1, r1, groups, w)[0][0], dx[i]
     )
+
+
+def _layouts():
+    """(name, x maker, shape) for 4-D and 5-D inputs in several memory layouts."""
+    cases = [
+        ("channels_last", lambda t: t.to(memory_format=torch.channels_last), (2, 6, 5, 4)),
+        ("channels_last_3d", lambda t: t.to(memory_format=torch.channels_last_3d), (2, 6, 3, 5, 4)),
+        ("contiguous", lambda t: t, (2, 6, 5, 4)),
+        (
+            "other_permutation",
+            lambda t: t.transpose(2, 3).contiguous().transpose(2, 3),
+            (2, 6, 5, 4),
+        ),
+        ("strided", lambda t: t[..., ::2], (2, 6, 5, 8)),
+    ]
+    return [pytest.param(*case, id=case[0]) for case in cases]
+
+
+@pytest.mark.parametrize("name,layout,shape", _layouts())
+@pytest.mark.parametrize("affine", [True, False])
+def test_torch_bridge_keeps_the_memory_format(rng, name, layout, shape, affine):
+    """As torch.nn.functional.group_norm: the output and the gradient of x have the memory
+    format of x (channels-last stays channels-last), with torch's values."""
+    from lnlib import torch_bridge as tb
+
+    base = torch.from_numpy(rng.standard_normal(shape))
+    dy = torch.from_numpy(rng.standard_normal(layout(base).shape))
+    w = torch.from_numpy(rng.standard_normal(6)).requires_grad_() if affine else None
+    b = torch.from_numpy(rng.standard_normal(6)).requires_grad_() if affine else None
+    results = {}
+    for which, fn in (("lnlib", tb.group_norm), ("torch", F.group_norm)):
+        x = layout(base.clone()).requires_grad_()
+        y = fn(x, 3, w, b)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        results[which] = (y, dx)
+    for ours, theirs in zip(results["lnlib"], results["torch"]):
+        assert ours.stride() == theirs.stride(), name
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
