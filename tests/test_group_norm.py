@@ -151,11 +151,26 @@ def test_inputs_not_modified_and_float16_no_overflow(rng):
     assert all(np.all(np.isfinite(a)) for a in (y, mean, rstd, dx, dw, db))
 
 
-def test_float16_statistics_are_used_in_float32(rng):
+@pytest.mark.parametrize("rows", ["cpu_path", "reference"])
+def test_float16_statistics_are_used_in_float32(rng, rows):
+    """Statistics saved in float16 are cast to float32 (the accumulation dtype of float32 x)
+    before any arithmetic: bitwise the results of statistics cast by the caller, and the
+    float64 computation with those statistics' values to float32 accuracy (computing with
+    the float16 values in float16 arithmetic is off by about 6e-4)."""
     x, w, b, dy = _data(rng, (3, 4, 5), np.float32)
     _, mean, rstd = lnlib.group_norm_forward(x, 2, w, b)
-    got = lnlib.group_norm_backward(dy, x, mean.astype(np.float16), rstd.astype(np.float16), 2, w)
-    assert got[0].dtype == np.float32 and all(np.all(np.isfinite(a)) for a in got)
+    m16, r16 = mean.astype(np.float16), rstd.astype(np.float16)
+    with lnlib.use_implementation("reference") if rows == "reference" else nullcontext():
+        got = lnlib.group_norm_backward(dy, x, m16, r16, 2, w)
+        cast = lnlib.group_norm_backward(
+            dy, x, m16.astype(np.float32), r16.astype(np.float32), 2, w
+        )
+    f64 = [a.astype(np.float64) for a in (dy, x, m16, r16, w)]
+    want = reference.group_norm_backward(*f64[:4], 2, f64[4])
+    for a, c, e in zip(got, cast, want):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, c)
+        assert_close(a, e, np.float32)
 
 
 @pytest.mark.parametrize("shape", [(0, 6), (0, 6, 7), (0, 6, 2, 3)])
