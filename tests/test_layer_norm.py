@@ -291,8 +291,9 @@ def test_empty_batch_is_fine():
     y, mean, rstd = lnlib.layer_norm_forward(np.zeros((0, 5)))
     assert y.shape == (0, 5) and mean.shape == (0,)
     dx, dw, db = lnlib.layer_norm_backward(np.zeros((0, 5)), np.zeros((0, 5)), mean, rstd)
-    assert dx.shape == (0, 5)
+    assert dx.shape == (0, 5) and dx.dtype == dw.dtype == db.dtype == np.float64
     np.testing.assert_array_equal(dw, np.zeros(5))
+    np.testing.assert_array_equal(db, np.zeros(5))
 
 
 def test_layer_norm_is_forward_output(rng):
