@@ -3,6 +3,9 @@
 The package of the lnlib textbook. Every public function has a readable twin in
 :mod:`lnlib.reference` that it is tested against, validates its arguments before doing any
 work, and never modifies its inputs (except BatchNorm's running statistics, by design).
+An ndarray subclass (``numpy.matrix``, ``numpy.memmap``) is used as ``numpy.asarray`` makes it,
+a plain ndarray of the same memory, so results are plain ndarrays on every implementation;
+masked arrays are refused (``TypeError``), their mask would be ignored.
 
 Importing lnlib needs NumPy only; torch, CuPy and matplotlib are imported where they are used.
 """

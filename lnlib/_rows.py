@@ -222,7 +222,10 @@ def direct_out(rows_fn, out, row_shapes, inputs, xp):
     )
     if not any(direct):
         return {}, direct
-    views = tuple(a.reshape(s) if d else None for a, s, d in zip(out, row_shapes, direct))
+    # plain ndarray views: an ndarray subclass (numpy.matrix) may not reshape to rows
+    views = tuple(
+        xp.asarray(a).reshape(s) if d else None for a, s, d in zip(out, row_shapes, direct)
+    )
     return {"out": views}, direct
 
 

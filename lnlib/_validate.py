@@ -11,18 +11,29 @@ import numpy as np
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
-def float_array(a, name, xp):
-    """Return ``a`` as an array of ``xp`` with a float16/32/64 dtype, or raise ``TypeError``.
-
-    Array-likes (lists, scalars) are converted; arrays are returned as they are, never copied.
-    """
+def not_masked(a, name):
+    """Refuse a masked array (numpy.ma): lnlib would ignore its mask."""
     if isinstance(a, np.ma.MaskedArray):
         raise TypeError(
             f"{name} is a masked array (numpy.ma), which lnlib does not support: "
             f"its mask would be ignored; pass {name}.filled(value) or the unmasked "
             "values instead"
         )
-    if not isinstance(a, xp.ndarray):
+
+
+def float_array(a, name, xp):
+    """Return ``a`` as an array of ``xp`` with a float16/32/64 dtype, or raise ``TypeError``.
+
+    Array-likes (lists, scalars) are converted; arrays are returned as they are, never copied.
+    An ndarray subclass (``numpy.matrix``, ``numpy.memmap``, ...) becomes a plain ndarray
+    viewing the same memory, as ``numpy.asarray`` makes it, so that every implementation
+    computes with ndarray semantics (``*`` elementwise, reshapes that drop axes) and returns
+    plain ndarrays; a masked array is refused (:func:`not_masked`).
+    """
+    not_masked(a, name)
+    if type(a) is not xp.ndarray and isinstance(a, xp.ndarray):
+        a = xp.asarray(a)  # a subclass: the same memory as a plain ndarray, no copy
+    elif not isinstance(a, xp.ndarray):
         try:
             a = xp.asarray(a)
         except Exception as exc:  # noqa: BLE001 - any failure means "not an array"
@@ -199,7 +210,9 @@ def out_arrays(out, xp, specs, *, single=False):
     ``specs`` lists ``(label, shape, dtype)`` per result. With ``single`` the function returns
     one array and ``out`` is that array (or None); otherwise ``out`` is a tuple (or list) of
     ``len(specs)`` entries, each an array or None (then that result is allocated). Returns a
-    tuple with one array or None per result; raises before anything is written.
+    tuple with one array or None per result; raises before anything is written. An ndarray
+    subclass is accepted and written in its memory (and returned, as NumPy's ``out=`` does);
+    a masked array is refused.
     """
     if out is None:
         return None
@@ -216,6 +229,7 @@ def out_arrays(out, xp, specs, *, single=False):
         name = "out" if single else f"out[{i}] ({label})"
         if a is None:
             continue
+        not_masked(a, name)
         if not isinstance(a, xp.ndarray):
             raise TypeError(
                 f"{name} must be a {xp.__name__}.ndarray (the array library of x), "

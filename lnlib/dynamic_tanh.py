@@ -17,7 +17,8 @@ __all__ = ["dynamic_tanh", "dynamic_tanh_backward"]
 
 
 def _alpha(alpha, xp):
-    """``alpha`` as a finite Python float (from a real number or a 0-d floating array)."""
+    """``alpha`` as a finite Python float (from a real number, or a floating array of shape ()
+    or (1,): the DyT authors' code stores it with shape (1,))."""
     if isinstance(alpha, bool):
         raise TypeError("alpha must be a real number or a 0-d floating array, got bool")
     if not isinstance(alpha, numbers.Real):
@@ -26,8 +27,11 @@ def _alpha(alpha, xp):
                 f"alpha must be a real number or a 0-d floating array, got {type(alpha).__name__}"
             )
         alpha = check.float_array(alpha, "alpha", xp)
-        if alpha.ndim != 0:
-            raise ValueError(f"alpha must be a scalar (a 0-d array), got shape {alpha.shape}")
+        if alpha.shape not in ((), (1,)):
+            raise ValueError(
+                f"alpha must be a scalar (an array of shape () or (1,)), got shape {alpha.shape}"
+            )
+        alpha = alpha.reshape(())
     value = float(alpha)
     if not math.isfinite(value):
         raise ValueError(f"alpha must be finite, got {value}")
@@ -55,8 +59,9 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     ----------
     x : ndarray, float16, float32 or float64, shape ``(..., D)``
         Input; never modified.
-    alpha : float or 0-d floating ndarray
-        The learned scalar :math:`\alpha` (DyT initialises it at 0.5); finite.
+    alpha : float or floating ndarray of shape () or (1,)
+        The learned scalar :math:`\alpha` (DyT initialises it at 0.5; the authors' code
+        stores it with shape (1,)); finite.
     weight, bias : ndarray of shape (D,), optional
         Gain :math:`\gamma` and bias :math:`\beta` along the last axis (default 1 and 0).
 
@@ -71,7 +76,8 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
         A non-floating ``x``/``weight``/``bias``, ``alpha`` not a real number or a floating
         0-d array, or arrays from different array libraries.
     ValueError
-        ``x`` 0-d; ``alpha`` not 0-d or not finite; ``weight``/``bias`` not of shape (D,).
+        ``x`` 0-d; ``alpha`` of another shape than () or (1,), or not finite;
+        ``weight``/``bias`` not of shape (D,).
 
     Notes
     -----
@@ -111,7 +117,7 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
         Gradient of the loss with respect to ``y``.
     x : ndarray, float16, float32 or float64, shape ``(..., D)``
         The forward input.
-    alpha : float or 0-d floating ndarray
+    alpha : float or floating ndarray of shape () or (1,)
         The forward :math:`\alpha`.
     weight : ndarray of shape (D,), optional
         The forward gain; ``None`` means ones.
@@ -120,7 +126,7 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     -------
     dx : ndarray, shape and dtype of ``x``
         Gradient of the loss with respect to ``x``.
-    dalpha : 0-d ndarray
+    dalpha : ndarray, shape of ``alpha`` (0-d for a number)
         Gradient with respect to :math:`\alpha`.
         Dtype of ``alpha`` when it is an array, else of ``x``.
     dweight, dbias : ndarray, shape (D,)
@@ -155,10 +161,11 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     dalpha = xa.sum(axis=1).sum(dtype=np.float64)
     t *= acc.type(a)
     pdtype = x.dtype if weight is None else weight.dtype
-    adtype = alpha.dtype if isinstance(alpha, xp.ndarray) else x.dtype
+    is_array = isinstance(alpha, xp.ndarray)
+    adtype, ashape = (alpha.dtype, alpha.shape) if is_array else (x.dtype, ())
     return (
         t.reshape(x.shape).astype(x.dtype, copy=False),
-        xp.asarray(dalpha, dtype=adtype),
+        xp.asarray(dalpha, dtype=adtype).reshape(ashape),
         dweight.astype(pdtype),
         dbias.astype(pdtype),
     )

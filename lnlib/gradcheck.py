@@ -13,6 +13,8 @@ with an error of order :math:`h^2` from truncation and :math:`\varepsilon/h` fro
 
 import numpy as np
 
+from ._validate import not_masked
+
 __all__ = ["numerical_grad", "check_grad"]
 
 
@@ -37,6 +39,8 @@ def numerical_grad(f, x, dy, *, h=1e-6):
 
     Raises
     ------
+    TypeError
+        ``x`` or ``dy`` a masked array (its mask would be ignored).
     ValueError
         ``h`` not > 0.
 
@@ -47,16 +51,18 @@ def numerical_grad(f, x, dy, *, h=1e-6):
     """
     if not h > 0:
         raise ValueError(f"h must be > 0, got {h}")
-    x = np.array(x, dtype=np.float64)  # a private copy we may perturb
+    not_masked(x, "x")
+    not_masked(dy, "dy")
+    x = np.array(x, dtype=np.float64)  # a private copy we may perturb (a plain ndarray)
     dy = np.asarray(dy, dtype=np.float64)
     grad = np.empty_like(x)
     flat, gflat = x.reshape(-1), grad.reshape(-1)
     for i in range(flat.size):
         old = flat[i]
         flat[i] = old + h
-        up = np.sum(dy * f(x))
+        up = np.sum(dy * np.asarray(f(x)))  # asarray: * is elementwise even for numpy.matrix
         flat[i] = old - h
-        down = np.sum(dy * f(x))
+        down = np.sum(dy * np.asarray(f(x)))
         flat[i] = old
         gflat[i] = (up - down) / (2 * h)
     return grad
@@ -93,6 +99,8 @@ def check_grad(f, x, dy, analytic, *, h=1e-6, rtol=1e-6, atol=1e-9, name="dx"):
     AssertionError
         ``analytic`` not of the shape of ``x``, or an element beyond the tolerance (the
         message names the worst element, its two values and the tolerance).
+    TypeError
+        ``x``, ``dy`` or ``analytic`` a masked array (its mask would be ignored).
     ValueError
         ``h`` not > 0.
 
@@ -101,6 +109,7 @@ def check_grad(f, x, dy, analytic, *, h=1e-6, rtol=1e-6, atol=1e-9, name="dx"):
     Covered in :ref:`sec-ch02-backward`, where the backward pass is checked this way.
     """
     numeric = numerical_grad(f, x, dy, h=h)
+    not_masked(analytic, name)
     analytic = np.asarray(analytic, dtype=np.float64)
     if analytic.shape != numeric.shape:
         raise AssertionError(

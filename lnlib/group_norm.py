@@ -8,6 +8,7 @@ point (:func:`lnlib.use_implementation`) picks, so that GroupNorm inherits its a
 (corrected two-pass statistics) and its bitwise batch invariance.
 """
 
+import math
 import numbers
 
 import numpy as np
@@ -98,8 +99,17 @@ def _stat(s, name, shape, xp):
 
 
 def _rows(a, num_groups, dtype):
-    """``a`` (N, C, ...) as rows (N * G, C/G * spatial) in ``dtype`` (a view when possible)."""
-    return a.astype(dtype, copy=False).reshape(a.shape[0] * num_groups, -1)
+    """``a`` (N, C, ...) as rows (N * G, C/G * spatial) in ``dtype`` (a view when possible).
+
+    The row length is given, not inferred (-1), so that an empty batch (N = 0) reshapes too.
+    """
+    d = math.prod(a.shape[1:]) // num_groups
+    return a.astype(dtype, copy=False).reshape(a.shape[0] * num_groups, d)
+
+
+def _channels(a):
+    """``a`` (N, C, ...) viewed as (N, C, L), L the spatial positions (1 without spatial axes)."""
+    return a.reshape(a.shape[0], a.shape[1], math.prod(a.shape[2:]))
 
 
 def _per_channel(p, x, dtype):
@@ -127,7 +137,8 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     Parameters
     ----------
     x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
-        Input; never modified; any strides are accepted.
+        Input; never modified; any strides are accepted. An empty batch (N = 0)
+        gives empty results, as in torch.
     num_groups : int
         G, a divisor of C.
     weight, bias : ndarray of shape (C,), optional
@@ -173,7 +184,7 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     acc = accumulation_dtype(x.dtype)
     forward_rows = select("layer_norm_forward", xp, acc)
     xhat, mean, rstd = forward_rows(_rows(x, g, acc), None, None, eps=eps)  # (N*G, D) in acc
-    y = xhat.reshape(n, c, -1)  # (N, C, L): a fresh array, scaled in place
+    y = _channels(xhat.reshape(x.shape))  # (N, C, L): a fresh array, scaled in place
     if weight is not None:
         y *= _per_channel(weight, x, acc)
     if bias is not None:
@@ -215,7 +226,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     dweight, dbias : ndarray, shape (C,)
         Gradients with respect to the per-channel gain and bias; dtype of ``weight``, or of
         ``x`` when ``weight`` is None (then the gradients with respect to a gain of ones and a
-        bias of zeros).
+        bias of zeros). Zeros for an empty batch (N = 0).
 
     Raises
     ------
@@ -238,13 +249,13 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     acc = accumulation_dtype(x.dtype)
     # the accumulation dtype is that of x, whatever dtype the statistics were saved in
     mean, rstd = (s.astype(acc, copy=False).reshape(-1) for s in (mean, rstd))
-    dya = dy.astype(acc, copy=False).reshape(n, c, -1)  # (N, C, L)
+    dya = _channels(dy.astype(acc, copy=False))  # (N, C, L)
     gs = dya if weight is None else dya * _per_channel(weight, x, acc)
     backward_rows = select("layer_norm_backward", xp, acc)
-    dx = backward_rows(gs.reshape(n * g, -1), _rows(x, g, acc), mean, rstd, None)[0]
+    dx = backward_rows(_rows(gs, g, acc), _rows(x, g, acc), mean, rstd, None)[0]
     xhat = (_rows(x, g, acc) - mean[:, None]) * rstd[:, None]  # (N*G, D)
     # per (example, channel) sums along the contiguous axis, then over examples in float64
-    dweight = (dya * xhat.reshape(n, c, -1)).sum(axis=2).sum(axis=0, dtype=np.float64)
+    dweight = (dya * _channels(xhat.reshape(x.shape))).sum(axis=2).sum(axis=0, dtype=np.float64)
     dbias = dya.sum(axis=2).sum(axis=0, dtype=np.float64)
     pdtype = x.dtype if weight is None else weight.dtype
     dx = dx.reshape(x.shape).astype(x.dtype, copy=False)

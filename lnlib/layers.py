@@ -617,8 +617,9 @@ class DynamicTanh(_Saved):
 
     Attributes
     ----------
-    alpha : ndarray, 0-d
-        The learned scalar.
+    alpha : ndarray of shape ()
+        The learned scalar. An array of shape (1,), as the DyT authors' checkpoints store it,
+        may be assigned instead; ``dalpha`` then has that shape.
     weight, bias : ndarray of shape (D,), or None
         Gain and bias.
     dalpha, dweight, dbias : ndarray or None

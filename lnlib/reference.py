@@ -516,7 +516,7 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     ----------
     x : ndarray, float16, float32 or float64, shape ``(..., D)``
         Input.
-    alpha : float or 0-d floating ndarray
+    alpha : float or floating ndarray of shape () or (1,)
         The scalar :math:`\alpha`.
     weight, bias : ndarray of shape ``(D,)``, optional
         Gain and bias along the last axis (default 1 and 0).
@@ -533,7 +533,8 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     """
     xp = get_array_module(x=x)
     acc = accumulation_dtype(x.dtype)
-    y = xp.tanh(x.astype(acc) * acc.type(float(alpha)))  # (..., D)
+    a = float(xp.asarray(alpha).reshape(()))  # alpha of shape () or (1,) as a number
+    y = xp.tanh(x.astype(acc) * acc.type(a))  # (..., D)
     if weight is not None:
         y = y * weight.astype(acc)  # (..., D)
     if bias is not None:
@@ -555,7 +556,7 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
         Gradient of the loss with respect to ``y``.
     x : ndarray, float16, float32 or float64, shape ``(..., D)``
         The forward input.
-    alpha : float or 0-d floating ndarray
+    alpha : float or floating ndarray of shape () or (1,)
         The forward :math:`\alpha`.
     weight : ndarray of shape ``(D,)``, optional
         The forward gain (default ones).
@@ -564,7 +565,7 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     -------
     dx : ndarray, shape and dtype of ``x``
         Gradient with respect to ``x``.
-    dalpha : 0-d ndarray, dtype of ``alpha`` (of ``x`` for a float)
+    dalpha : ndarray, shape and dtype of ``alpha`` (0-d of the dtype of ``x`` for a float)
         Gradient with respect to :math:`\alpha`.
     dweight, dbias : ndarray, shape ``(D,)``, dtype of ``weight`` (of ``x`` when None)
         Gradients with respect to the gain and bias.
@@ -577,13 +578,15 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     xp = get_array_module(x=x)
     acc = accumulation_dtype(x.dtype)
     xa, dya = x.astype(acc), dy.astype(acc)  # (..., D)
-    t = xp.tanh(xa * acc.type(float(alpha)))  # (..., D)
+    a = float(xp.asarray(alpha).reshape(()))  # alpha of shape () or (1,) as a number
+    t = xp.tanh(xa * acc.type(a))  # (..., D)
     g = dya if weight is None else dya * weight.astype(acc)  # (..., D)
     rows = tuple(range(x.ndim - 1))
     pdtype = x.dtype if weight is None else weight.dtype
     adtype = alpha.dtype if isinstance(alpha, xp.ndarray) else x.dtype
     dalpha = xp.asarray((g * xa * (1 - t * t)).sum(), dtype=adtype)  # ()
-    dx = (float(alpha) * g * (1 - t * t)).astype(x.dtype)  # (..., D)
+    dalpha = dalpha.reshape(getattr(alpha, "shape", ()))  # the shape of alpha: () or (1,)
+    dx = (a * g * (1 - t * t)).astype(x.dtype)  # (..., D)
     dweight = (dya * t).sum(axis=rows).astype(pdtype)  # (D,)
     dbias = dya.sum(axis=rows).astype(pdtype)  # (D,)
     return dx, dalpha, dweight, dbias

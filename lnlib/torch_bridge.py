@@ -679,6 +679,18 @@ __all__ += [
 ]
 
 
+def _memory_format(x):
+    """The memory format torch's GroupNorm keeps for ``x``: channels-last (4-D) and
+    channels-last-3d (5-D) inputs give outputs and gradients in that layout, others
+    contiguous."""
+    if not x.is_contiguous():
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+            return torch.channels_last_3d
+    return torch.contiguous_format
+
+
 class GroupNormFunction(torch.autograd.Function):
     r"""Autograd function for GroupNorm whose forward and backward are lnlib's.
 
@@ -714,7 +726,8 @@ class GroupNormFunction(torch.autograd.Function):
         Returns
         -------
         y : torch.Tensor, shape and dtype of ``x``
-            The output.
+            The output, in the memory format of ``x`` (channels-last stays channels-last,
+            as in torch; the gradient too).
         mean, rstd : torch.Tensor, shape ``(N, G)``
             Statistics of each group (marked not differentiable).
 
@@ -730,7 +743,8 @@ class GroupNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean_t, rstd_t)
         ctx.num_groups, ctx.has_bias = num_groups, bias is not None
         ctx.mark_non_differentiable(mean_t, rstd_t)
-        return _to_tensor(y, x), mean_t, rstd_t
+        # lnlib returns y contiguous; a channels-last x gets y channels-last, as in torch
+        return _to_tensor(y, x).contiguous(memory_format=_memory_format(x)), mean_t, rstd_t
 
     @staticmethod
     @first_order_only
@@ -769,7 +783,7 @@ class GroupNormFunction(torch.autograd.Function):
         )
         grads = [None] * 5
         if ctx.needs_input_grad[0]:
-            grads[0] = _to_tensor(dx, x)
+            grads[0] = _to_tensor(dx, x).contiguous(memory_format=_memory_format(x))
         if weight is not None and ctx.needs_input_grad[2]:
             grads[2] = _to_tensor(dweight, weight)
         if ctx.has_bias and ctx.needs_input_grad[3]:
@@ -782,8 +796,9 @@ class DynamicTanhFunction(torch.autograd.Function):
 
     ``DynamicTanhFunction.apply(x, alpha, weight, bias)`` computes
     :math:`y = \gamma \odot \tanh(\alpha x) + \beta` with :func:`lnlib.dynamic_tanh`;
-    ``alpha`` is a 0-d tensor; ``weight`` and ``bias`` may be ``None``. Not twice
-    differentiable.
+    ``alpha`` is a tensor of shape () or (1,) (the DyT authors' layout), or a Python number
+    (a constant, used as lnlib uses it: in the accumulation dtype, not rounded to the dtype of
+    ``x``); ``weight`` and ``bias`` may be ``None``. Not twice differentiable.
 
     Notes
     -----
@@ -802,7 +817,7 @@ class DynamicTanhFunction(torch.autograd.Function):
             Torch's context object, where the forward saves what the backward needs.
         x : torch.Tensor, shape ``(..., D)``, floating, CPU or CUDA
             Input (bfloat16 is computed in float32 and cast back).
-        alpha : torch.Tensor, 0-d
+        alpha : torch.Tensor of shape () or (1,), or float
             The scalar :math:`\alpha`.
         weight, bias : torch.Tensor of shape ``(D,)``, or None
             Gain and bias, on the device of ``x``.
@@ -817,8 +832,10 @@ class DynamicTanhFunction(torch.autograd.Function):
         TypeError, ValueError
             As for :func:`lnlib.dynamic_tanh`; a CUDA tensor without CuPy installed.
         """
-        y = lnlib.dynamic_tanh(_to_array(x), _to_array(alpha), _to_array(weight), _to_array(bias))
-        ctx.save_for_backward(x, alpha, weight)
+        a = _to_array(alpha) if isinstance(alpha, torch.Tensor) else alpha
+        y = lnlib.dynamic_tanh(_to_array(x), a, _to_array(weight), _to_array(bias))
+        ctx.save_for_backward(x, weight, *([alpha] if isinstance(alpha, torch.Tensor) else []))
+        ctx.alpha = None if isinstance(alpha, torch.Tensor) else alpha
         ctx.has_bias = bias is not None
         return _to_tensor(y, x)
 
@@ -845,15 +862,16 @@ class DynamicTanhFunction(torch.autograd.Function):
         RuntimeError
             Called with grad mode on (``create_graph=True``): there is no double backward.
         """
-        x, alpha, weight = ctx.saved_tensors
+        x, weight, *alpha = ctx.saved_tensors  # alpha saved when it is a tensor
+        a = _to_array(alpha[0]) if alpha else ctx.alpha
         dx, dalpha, dweight, dbias = lnlib.dynamic_tanh_backward(
-            _to_array(dy), _to_array(x), _to_array(alpha), _to_array(weight)
+            _to_array(dy), _to_array(x), a, _to_array(weight)
         )
         grads = [None] * 4
         if ctx.needs_input_grad[0]:
             grads[0] = _to_tensor(dx, x)
-        if ctx.needs_input_grad[1]:
-            grads[1] = _to_tensor(dalpha, alpha)
+        if alpha and ctx.needs_input_grad[1]:
+            grads[1] = _to_tensor(dalpha, alpha[0])
         if weight is not None and ctx.needs_input_grad[2]:
             grads[2] = _to_tensor(dweight, weight)
         if ctx.has_bias and ctx.needs_input_grad[3]:
@@ -878,7 +896,9 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     Returns
     -------
     torch.Tensor
-        Shape and dtype of ``x``; differentiable with respect to ``x``, ``weight``, ``bias``.
+        Shape, dtype and memory format (channels-last or not, as ``torch.nn.functional
+        .group_norm`` keeps it) of ``x``; differentiable with respect to ``x``, ``weight``,
+        ``bias``; the gradient of ``x`` has its memory format too.
 
     Raises
     ------
@@ -902,8 +922,9 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     ----------
     x : torch.Tensor, shape ``(..., D)``, floating
         Input, on the CPU or a CUDA device.
-    alpha : torch.Tensor (0-d) or float
-        The scalar :math:`\alpha`; a float is a constant (no gradient).
+    alpha : torch.Tensor of shape () or (1,), or float
+        The scalar :math:`\alpha`; a float is a constant (no gradient), applied like
+        ``torch.tanh(alpha * x)`` applies it: not rounded to the dtype of ``x`` first.
     weight, bias : torch.Tensor of shape (D,) or None
         Gain and bias along the last axis, on the device of ``x``.
 
@@ -924,8 +945,6 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     bridge in :ref:`sec-ch05-torch-bridge`.
     """
     _check_tensor("x", x)
-    if not isinstance(alpha, torch.Tensor):
-        alpha = torch.tensor(float(alpha), dtype=x.dtype, device=x.device)
     return DynamicTanhFunction.apply(x, alpha, weight, bias)
 
 
@@ -1011,7 +1030,11 @@ class DynamicTanh(nn.Module):
 
     Notes
     -----
-    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
+    ``alpha`` is a parameter of shape (); a state dict from the DyT authors' code, where it
+    has shape (1,), loads with ``load_state_dict`` (torch takes a one-element alpha into it),
+    and an ``alpha`` of shape (1,) assigned to the module works too (its gradient then has
+    that shape). Covered in :doc:`/book/04_variants`, section "Without normalization:
+    Dynamic Tanh".
     """
 
     def __init__(

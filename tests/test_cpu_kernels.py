@@ -254,10 +254,20 @@ def test_binding_rejects_wrong_dtypes_and_argument_counts(kernel):
 
 
 def test_read_only_input_is_accepted_and_never_written(kernel, rng):
+    """A read-only x is accepted (the results of a writeable copy) and its values are
+    unchanged: the flag alone proves nothing, C code can write past it."""
     x = rng.standard_normal((4, 9)).astype(np.float32)
+    want = kernel.layer_norm_forward_rows(x.copy(), None, None, 1e-5)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    want_dx = kernel.layer_norm_backward_rows(dy, x.copy(), *want[1:], None)
+    before = x.copy()
     x.flags.writeable = False
-    y, _, _ = kernel.layer_norm_forward_rows(x, None, None, 1e-5)
-    assert y.flags.writeable and not x.flags.writeable
+    got = kernel.layer_norm_forward_rows(x, None, None, 1e-5)
+    got_dx = kernel.layer_norm_backward_rows(dy, x, *got[1:], None)
+    assert got[0].flags.writeable and not x.flags.writeable
+    for g, w in zip((*got, *got_dx), (*want, *want_dx)):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(x, before)
 
 
 # --- Large outputs are streamed to memory (non-temporal stores): same bits ------------------

@@ -178,3 +178,122 @@ def test_layer_and_torch_module(rng):
 def test_bad_input_names_the_argument(rng, call, error, words):
     with pytest.raises(error, match=words):
         call(rng.standard_normal((2, 3, 4)))
+
+
+def _ulp(v, dtype):
+    """The spacing of ``dtype`` (a torch floating dtype) at the magnitudes ``v`` (float64)."""
+    info = torch.finfo(dtype)
+    mag = v.abs().clamp(min=info.smallest_normal)
+    return info.eps * torch.exp2(torch.floor(torch.log2(mag)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("alpha", [0.1, 0.7, -1.3])
+def test_bridge_float_alpha_is_not_rounded_to_the_dtype_of_x(rng, dtype, alpha):
+    """A Python float alpha is used as torch's ``tanh(alpha * x)`` uses it (and as
+    lnlib.dynamic_tanh does): not rounded to float16/bfloat16 first (0.1 -> 0.0999755859375)."""
+    from lnlib import torch_bridge as tb
+
+    x = torch.from_numpy(3 * rng.standard_normal(20000)).to(dtype).requires_grad_()
+    dy = torch.from_numpy(rng.standard_normal(20000)).to(dtype)
+    got = tb.dynamic_tanh(x, alpha)
+    got.backward(dy)
+    assert got.dtype == x.grad.dtype == dtype
+    # lnlib's own function on the same values (bfloat16 is computed in float32, cast back)
+    as_np = (lambda t: t.detach().float().numpy()) if dtype == torch.bfloat16 else None
+    as_np = as_np or (lambda t: t.detach().numpy())
+    own = lnlib.dynamic_tanh(as_np(x), alpha)
+    own_dx = lnlib.dynamic_tanh_backward(as_np(dy), as_np(x), alpha)[0]
+    torch.testing.assert_close(got.detach(), torch.from_numpy(own).to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, torch.from_numpy(own_dx).to(dtype), rtol=0, atol=0)
+    # torch's tanh(alpha * x) in float64: float16/bfloat16 results are correctly rounded (half
+    # an ulp, plus the float32 arithmetic's few float32 ulps); float32 within 4 ulps
+    want = torch.tanh(alpha * x.detach().double())
+    err = (got.detach().double() - want).abs()
+    f32 = 4 * torch.finfo(torch.float32).eps * want.abs()
+    tol = 4 * _ulp(want, dtype) if dtype == torch.float32 else 0.5 * _ulp(want, dtype) + f32
+    assert (err <= tol).all(), f"{int((err > tol).sum())} values off by more than tol"
+    # and torch's own tanh(alpha * x) in the dtype of x (rounded twice): within one ulp
+    native = torch.tanh(alpha * x.detach()).double()
+    big = torch.maximum(got.detach().double().abs(), native.abs())
+    assert ((got.detach().double() - native).abs() <= _ulp(big, dtype)).all()
+
+
+class _AuthorsDyT(torch.nn.Module):
+    """DyT as the authors' code lays it out: alpha a parameter of shape (1,)."""
+
+    def __init__(self, d, alpha_init_value=0.5):
+        super().__init__()
+        self.alpha = torch.nn.Parameter(torch.ones(1, dtype=torch.float64) * alpha_init_value)
+        self.weight = torch.nn.Parameter(torch.ones(d, dtype=torch.float64))
+        self.bias = torch.nn.Parameter(torch.zeros(d, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.tanh(self.alpha * x) * self.weight + self.bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alpha_of_shape_one_as_in_the_authors_checkpoints(rng, dtype):
+    """alpha of shape (1,) gives the results of the 0-d alpha; dalpha has the shape of alpha
+    (public functions, the reference, the layer)."""
+    x, w, b, dy = _data(rng, (4, 3, 8), dtype)
+    a0, a1 = np.array(0.7, dtype), np.array([0.7], dtype)
+    np.testing.assert_array_equal(lnlib.dynamic_tanh(x, a1, w, b), lnlib.dynamic_tanh(x, a0, w, b))
+    got, want = lnlib.dynamic_tanh_backward(dy, x, a1, w), lnlib.dynamic_tanh_backward(dy, x, a0, w)
+    assert got[1].shape == (1,) and got[1].dtype == dtype and want[1].shape == ()
+    for g, e in zip(got, want):
+        np.testing.assert_array_equal(g.reshape(e.shape), e)
+    ref = reference.dynamic_tanh_backward(dy, x, a1, w)
+    assert ref[1].shape == (1,)
+    assert_close(ref[1], got[1], dtype, factor=x.size)
+    layer = lnlib.DynamicTanh(8, dtype=dtype)
+    layer.weight[...], layer.bias[...] = w, b
+    layer.alpha = a1.copy()  # loaded from such a checkpoint
+    np.testing.assert_array_equal(layer(x), lnlib.dynamic_tanh(x, a0, w, b))
+    np.testing.assert_array_equal(layer.backward(dy), want[0])
+    assert layer.dalpha.shape == (1,)
+    np.testing.assert_array_equal(layer.dalpha[0], want[1])
+
+
+@pytest.mark.parametrize("shape", [(2,), (1, 1), (1, 1, 1), (0,)])
+def test_alpha_of_another_shape_is_refused(rng, shape):
+    x = rng.standard_normal((2, 3))
+    for call in (
+        lambda: lnlib.dynamic_tanh(x, np.full(shape, 0.5)),
+        lambda: lnlib.dynamic_tanh_backward(x, x, np.full(shape, 0.5)),
+    ):
+        with pytest.raises(ValueError, match=r"alpha must be a scalar.*\(\) or \(1,\)"):
+            call()
+
+
+def test_torch_module_loads_the_authors_state_dict(rng):
+    """A state dict with alpha of shape (1,) loads into lnlib's torch module (also with
+    assign=True); an alpha parameter of shape (1,) runs forward and backward, its gradient of
+    that shape, as in the authors' module."""
+    from lnlib import torch_bridge as tb
+
+    theirs = _AuthorsDyT(8, alpha_init_value=0.8)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.from_numpy(rng.standard_normal(8)))
+        theirs.bias.copy_(torch.from_numpy(rng.standard_normal(8)))
+    x = torch.from_numpy(rng.standard_normal((5, 8)))
+    want = theirs(x)
+    for assign in (False, True):
+        ours = tb.DynamicTanh(8, dtype=torch.float64)
+        ours.load_state_dict(theirs.state_dict(), assign=assign)
+        torch.testing.assert_close(ours(x), want, rtol=1e-12, atol=1e-12)
+    ours = tb.DynamicTanh(8, dtype=torch.float64)
+    ours.alpha = torch.nn.Parameter(theirs.alpha.detach().clone())  # shape (1,), as theirs
+    ours.weight, ours.bias = (
+        torch.nn.Parameter(p.detach().clone()) for p in (theirs.weight, theirs.bias)
+    )
+    dy = torch.from_numpy(rng.standard_normal((5, 8)))
+    theirs(x).backward(dy)
+    ours(x).backward(dy)
+    assert ours.alpha.grad.shape == theirs.alpha.grad.shape == (1,)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    a = torch.tensor([0.6], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, a: tb.dynamic_tanh(x, a), (x.clone().requires_grad_(), a)
+    )

@@ -1,5 +1,7 @@
 """GroupNorm: against PyTorch, the reference and finite differences; batch invariance; errors."""
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 import torch
@@ -149,11 +151,70 @@ def test_inputs_not_modified_and_float16_no_overflow(rng):
     assert all(np.all(np.isfinite(a)) for a in (y, mean, rstd, dx, dw, db))
 
 
-def test_float16_statistics_are_used_in_float32(rng):
+@pytest.mark.parametrize("rows", ["cpu_path", "reference"])
+def test_float16_statistics_are_used_in_float32(rng, rows):
+    """Statistics saved in float16 are cast to float32 (the accumulation dtype of float32 x)
+    before any arithmetic: bitwise the results of statistics cast by the caller, and the
+    float64 computation with those statistics' values to float32 accuracy (computing with
+    the float16 values in float16 arithmetic is off by about 6e-4)."""
     x, w, b, dy = _data(rng, (3, 4, 5), np.float32)
     _, mean, rstd = lnlib.group_norm_forward(x, 2, w, b)
-    got = lnlib.group_norm_backward(dy, x, mean.astype(np.float16), rstd.astype(np.float16), 2, w)
-    assert got[0].dtype == np.float32 and all(np.all(np.isfinite(a)) for a in got)
+    m16, r16 = mean.astype(np.float16), rstd.astype(np.float16)
+    with lnlib.use_implementation("reference") if rows == "reference" else nullcontext():
+        got = lnlib.group_norm_backward(dy, x, m16, r16, 2, w)
+        cast = lnlib.group_norm_backward(
+            dy, x, m16.astype(np.float32), r16.astype(np.float32), 2, w
+        )
+    f64 = [a.astype(np.float64) for a in (dy, x, m16, r16, w)]
+    want = reference.group_norm_backward(*f64[:4], 2, f64[4])
+    for a, c, e in zip(got, cast, want):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, c)
+        assert_close(a, e, np.float32)
+
+
+@pytest.mark.parametrize("shape", [(0, 6), (0, 6, 7), (0, 6, 2, 3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ["cpu_path", "reference"])
+def test_empty_batch_gives_empty_results_like_torch(shape, dtype, rows):
+    """N = 0, as torch: y and dx empty of the shape and dtype of x, mean/rstd (0, G) in the
+    accumulation dtype, dweight/dbias zeros (nothing is summed), with every row implementation."""
+    x = np.zeros(shape, dtype)
+    w, b = np.full(6, 2.0, dtype), np.ones(6, dtype)
+    acc = np.float64 if dtype == np.float64 else np.float32
+    with lnlib.use_implementation("reference") if rows == "reference" else nullcontext():
+        for weight, bias in ((w, b), (None, None)):
+            y, mean, rstd = lnlib.group_norm_forward(x, 3, weight, bias)
+            assert (y.shape, y.dtype) == (shape, dtype)
+            assert (mean.shape, mean.dtype) == (rstd.shape, rstd.dtype) == ((0, 3), acc)
+            dx, dw, db = lnlib.group_norm_backward(x, x, mean, rstd, 3, weight)
+            assert (dx.shape, dx.dtype) == (shape, dtype)
+            for d in (dw, db):
+                assert d.shape == (6,) and d.dtype == dtype
+                np.testing.assert_array_equal(d, np.zeros(6))
+        layer = lnlib.GroupNorm(3, 6, dtype=dtype)
+        assert layer(x).shape == shape and layer.backward(x).shape == shape
+        np.testing.assert_array_equal(layer.dweight, np.zeros(6))
+    tx = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    tw, tb = (torch.ones(6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    want = F.group_norm(tx, 3, tw, tb)  # torch's answer for an empty batch: empty, no error
+    assert tuple(want.shape) == shape
+
+
+def test_torch_bridge_empty_batch(rng):
+    from lnlib import torch_bridge as tb
+
+    got = {}
+    for name, fn in (("lnlib", tb.group_norm), ("torch", F.group_norm)):
+        x = torch.zeros((0, 6, 7), requires_grad=True)
+        w = torch.from_numpy(rng.standard_normal(6).astype(np.float32)).requires_grad_()
+        b = torch.zeros(6, requires_grad=True)
+        y = fn(x, 3, w, b)
+        y.backward(torch.ones_like(y))
+        got[name] = (y, x.grad, w.grad, b.grad)
+    for ours, theirs in zip(got["lnlib"], got["torch"]):
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs)
 
 
 @pytest.mark.parametrize(
@@ -262,3 +323,41 @@ def test_one_sample_is_the_same_in_any_batch(n, groups, per, spatial, seed, dtyp
     np.testing.assert_array_equal(
         lnlib.group_norm_backward(dy[i : i + 1], x[i : i + 1], m1, r1, groups, w)[0][0], dx[i]
     )
+
+
+def _layouts():
+    """(name, x maker, shape) for 4-D and 5-D inputs in several memory layouts."""
+    cases = [
+        ("channels_last", lambda t: t.to(memory_format=torch.channels_last), (2, 6, 5, 4)),
+        ("channels_last_3d", lambda t: t.to(memory_format=torch.channels_last_3d), (2, 6, 3, 5, 4)),
+        ("contiguous", lambda t: t, (2, 6, 5, 4)),
+        (
+            "other_permutation",
+            lambda t: t.transpose(2, 3).contiguous().transpose(2, 3),
+            (2, 6, 5, 4),
+        ),
+        ("strided", lambda t: t[..., ::2], (2, 6, 5, 8)),
+    ]
+    return [pytest.param(*case, id=case[0]) for case in cases]
+
+
+@pytest.mark.parametrize("name,layout,shape", _layouts())
+@pytest.mark.parametrize("affine", [True, False])
+def test_torch_bridge_keeps_the_memory_format(rng, name, layout, shape, affine):
+    """As torch.nn.functional.group_norm: the output and the gradient of x have the memory
+    format of x (channels-last stays channels-last), with torch's values."""
+    from lnlib import torch_bridge as tb
+
+    base = torch.from_numpy(rng.standard_normal(shape))
+    dy = torch.from_numpy(rng.standard_normal(layout(base).shape))
+    w = torch.from_numpy(rng.standard_normal(6)).requires_grad_() if affine else None
+    b = torch.from_numpy(rng.standard_normal(6)).requires_grad_() if affine else None
+    results = {}
+    for which, fn in (("lnlib", tb.group_norm), ("torch", F.group_norm)):
+        x = layout(base.clone()).requires_grad_()
+        y = fn(x, 3, w, b)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        results[which] = (y, dx)
+    for ours, theirs in zip(results["lnlib"], results["torch"]):
+        assert ours.stride() == theirs.stride(), name
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)

@@ -6,6 +6,7 @@ be written in place (strided, overlapping an input) still receive the right resu
 bad ``out`` is refused, naming it, before anything is written.
 """
 
+import math
 import re
 
 import numpy as np
@@ -160,3 +161,83 @@ def test_bad_out_is_refused_before_anything_is_written(cpu_path, rng):
         lnlib.layer_norm(x, w, b, out=np.empty((2, 2), np.float32))
     with pytest.raises(ValueError, match=r"out\[1\] \(dweight\) must have shape"):
         lnlib.rms_norm_backward(dy, x, mean, w, out=(np.empty_like(x), np.empty(3, np.float32)))
+
+
+@pytest.fixture(params=["kernel", "numpy", "reference"])
+def any_path(request):
+    """Every CPU implementation: the compiled kernel, the NumPy path and the reference."""
+    if request.param == "kernel":
+        kernel = lnlib.show_config(file=False)["implementations"]["kernel"]
+        if not kernel["available"]:
+            pytest.skip(f"compiled kernel not available: {kernel['reason']}")
+    with lnlib.use_implementation(request.param):
+        yield request.param
+
+
+def _overlapping(rng, shape, dtype, shift):
+    """An input and an out array of ``shape`` in one buffer, ``abs(shift)`` elements apart
+    (the out array after the input for shift > 0, before it for shift < 0): they partly
+    overlap. Returns ``(buf, a, out, where)``, ``where`` the slice of ``buf`` that is out."""
+    n = math.prod(shape)
+    buf = (rng.standard_normal(n + abs(shift)) * 2 + 1).astype(dtype)
+    first, last = slice(0, n), slice(abs(shift), n + abs(shift))
+    where, other = (last, first) if shift > 0 else (first, last)
+    return buf, buf[other].reshape(shape), buf[where].reshape(shape), where
+
+
+def _assert_outside_unchanged(buf, before, where, what):
+    outside = np.ones(buf.shape, bool)
+    outside[where] = False
+    np.testing.assert_array_equal(buf[outside], before[outside], err_msg=f"{what} outside out")
+
+
+#: Shifts between an input and its out array: one element either way, half a row, a row and one.
+SHIFTS = [1, -1, 16, 34]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shift", SHIFTS)
+@pytest.mark.parametrize("shape", [(8, 33), (3, 4, 33)])
+def test_out_partly_overlapping_x_gets_the_allocated_result(any_path, rng, dtype, shift, shape):
+    """``x = buf[:-1]``, ``out = buf[1:]`` (and other shifts): the result is that of the
+    allocating call on the unmodified ``x``, and nothing outside ``out`` is written."""
+    w = rng.standard_normal(shape[-1]).astype(dtype)
+    b = rng.standard_normal(shape[-1]).astype(dtype)
+    for fn, params in ((lnlib.layer_norm_forward, (w, b)), (lnlib.rms_norm_forward, (w,))):
+        buf, x, y, where = _overlapping(rng, shape, dtype, shift)
+        before = buf.copy()
+        want = fn(x.copy(), *params)
+        got = fn(x, *params, out=(y,) + (None,) * (len(want) - 1))
+        assert got[0] is y
+        for i, (g, e) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(g, e, err_msg=f"{fn.__name__} {i} on {any_path}")
+        _assert_outside_unchanged(buf, before, where, f"{fn.__name__} on {any_path} wrote")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shift", SHIFTS)
+@pytest.mark.parametrize("overlaps", ["dy", "x"])
+def test_backward_out_partly_overlapping_an_input_gets_the_allocated_result(
+    any_path, rng, dtype, shift, overlaps
+):
+    """dx partly overlapping ``dy`` or ``x``, and dweight partly overlapping ``weight``: the
+    results of the allocating call on the unmodified inputs; nothing else written."""
+    shape = (8, 33)
+    values = (rng.standard_normal(shape) * 2 + 3).astype(dtype)
+    other = rng.standard_normal(shape).astype(dtype)
+    for name in ("layer_norm", "rms_norm"):
+        buf, a, dx, where = _overlapping(rng, shape, dtype, shift)
+        a[...] = values
+        wbuf, w, dw, wwhere = _overlapping(rng, shape[-1:], dtype, 1 if shift > 0 else -1)
+        dy, x = (a, other) if overlaps == "dy" else (other, a)
+        stats = getattr(lnlib, f"{name}_forward")(x.copy(), w.copy())[1:]
+        stats = stats if name == "layer_norm" else stats[-1:]  # rstd only for RMSNorm
+        fn = getattr(lnlib, f"{name}_backward")
+        want = fn(dy.copy(), x.copy(), *stats, w.copy())
+        before, wbefore = buf.copy(), wbuf.copy()
+        got = fn(dy, x, *stats, w, out=(dx, dw) + (None,) * (len(want) - 2))
+        assert got[0] is dx and got[1] is dw
+        for i, (g, e) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(g, e, err_msg=f"{name} backward {i} on {any_path}")
+        _assert_outside_unchanged(buf, before, where, f"{name} backward on {any_path} wrote")
+        _assert_outside_unchanged(wbuf, wbefore, wwhere, f"{name} backward wrote dweight")

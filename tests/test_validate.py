@@ -111,11 +111,28 @@ def test_backward_shape_errors():
 
 
 def test_errors_come_before_any_work_and_leave_inputs_alone():
+    """A call refused for its last-checked argument has written nothing: not the running
+    statistics, not the out arrays, not the inputs."""
+    x = np.random.default_rng(0).standard_normal((4, 3))
+    x0 = x.copy()
     rm, rv = np.zeros(3), np.ones(3)
-    with pytest.raises(ValueError):
-        lnlib.batch_norm(np.ones((4, 3)), rm, rv, np.ones(2), training=True)
-    np.testing.assert_array_equal(rm, 0)  # running statistics untouched by the failed call
-    np.testing.assert_array_equal(rv, 1)
+    for bad in ({"weight": np.ones(2)}, {"bias": np.ones(2)}, {"momentum": 2.0}, {"eps": -1.0}):
+        args = {"weight": np.ones(3), "bias": np.zeros(3), "momentum": 0.1, "eps": 1e-5, **bad}
+        with pytest.raises(ValueError):
+            lnlib.batch_norm(x, rm, rv, training=True, **args)
+        np.testing.assert_array_equal(rm, 0)  # running statistics untouched by the failed call
+        np.testing.assert_array_equal(rv, 1)
+    y, stat = np.full_like(x, 7.0), np.full(4, 7.0)
+    with pytest.raises(ValueError, match="eps"):
+        lnlib.layer_norm_forward(x, out=(y, stat, None), eps=-1.0)
+    with pytest.raises(ValueError, match="weight_offset"):
+        lnlib.rms_norm_forward(x, out=(y, stat), weight_offset=1.0)
+    dx = np.full_like(x, 7.0)
+    with pytest.raises(ValueError, match=r"out\[1\] \(dweight\)"):
+        lnlib.layer_norm_backward(x, x, np.zeros(4), np.ones(4), out=(dx, np.empty(2), None))
+    for a in (y, stat, dx):
+        np.testing.assert_array_equal(a, 7.0)
+    np.testing.assert_array_equal(x, x0)
 
 
 def test_mixed_array_libraries_are_a_type_error():
@@ -229,11 +246,24 @@ def test_use_implementation_names_and_errors(monkeypatch):
             lnlib.layer_norm(X)
 
 
-@pytest.mark.parametrize("name", ["numpy", "reference", "auto"])
+@pytest.mark.parametrize("name", ["kernel", "numpy", "reference", "auto"])
 def test_forced_implementations_compute_the_same(rng, name):
+    """Each forced implementation is the one selected, and computes what the reference does."""
+    from lnlib import _backend
+
+    if (
+        name == "kernel"
+        and not lnlib.show_config(file=False)["implementations"]["kernel"]["available"]
+    ):
+        pytest.skip("compiled kernel not available")
+    modules = {"kernel": "lnlib._cpu.kernels", "numpy": "lnlib._cpu.numpy_rows"}
+    modules["reference"] = "lnlib.reference"
     x = rng.standard_normal((5, 7))
     with lnlib.use_implementation(name):
         assert lnlib.show_config(file=False)["forced"] == name
+        if name in modules:
+            fn = _backend.select("layer_norm_forward", np, np.float64)
+            assert fn.__module__ == modules[name], f"{name} selected {fn.__module__}"
         got = lnlib.layer_norm_forward(x, np.ones(7), np.zeros(7))
     for g, w in zip(got, lnlib.reference.layer_norm_forward(x, np.ones(7), np.zeros(7))):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
