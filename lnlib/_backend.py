@@ -176,8 +176,22 @@ def _kernel_usable():
     enabled, reason = kernel_setting()
     if not enabled:
         return False, reason
-    info = importlib.import_module("lnlib._cpu.kernels").info()
+    info = _kernels_module().info()
     return bool(info["kernel"]), info["reason"]
+
+
+#: lnlib._cpu.kernels once it is fully imported (None before): set only by _kernels_module.
+_kernels = None
+
+
+def _kernels_module():
+    """The kernel binding module, imported once. ``importlib.import_module`` waits while
+    another thread is still importing it, so the module returned is complete: a module found
+    in ``sys.modules`` may still be half-way through its import in another thread."""
+    global _kernels
+    if _kernels is None:
+        _kernels = importlib.import_module("lnlib._cpu.kernels")
+    return _kernels
 
 
 def _usable(impl):
@@ -287,10 +301,10 @@ _UNLOADED = object()
 
 def _kernel_state():
     """The loaded kernel extension (None where it failed), or _UNLOADED before the first try."""
-    kernels = sys.modules.get("lnlib._cpu.kernels")
-    if kernels is None or not kernels._state["loaded"]:
+    if _kernels is None:  # not imported yet, so not loaded either
         return _UNLOADED
-    return kernels._state["module"]
+    tried, module = _kernels.load_result()
+    return module if tried else _UNLOADED
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ __all__ = [
     "available",
     "info",
     "layer_norm_backward_rows",
+    "load_result",
     "layer_norm_forward_rows",
     "rms_norm_backward_rows",
     "rms_norm_forward_rows",
@@ -207,6 +208,15 @@ def _caller_level():
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def load_result():
+    """``(tried, module)``: whether the first load of the extension was tried, and the loaded
+    module (None before the try, or where it failed). Loads nothing: the selection point asks
+    this to know whether a choice it made can be kept."""
+    # _module() sets both in one dict update, under the GIL: "loaded" is never seen True
+    # with the module not yet in place
+    return _state["loaded"], _state["module"]
 
 
 def info():
