@@ -177,8 +177,11 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0, ou
 
     Parameters
     ----------
-    dy : ndarray, shape of ``x``
-        Gradient of the loss with respect to ``y``.
+    dy : ndarray, shape of ``x``, float16, float32 or float64
+        Gradient of the loss with respect to ``y``, of any float dtype: it is used in the
+        accumulation dtype (float32 for float16/float32 ``x``, float64 for float64), so a
+        float32 ``dy`` for float16 ``x`` is neither rounded to float16 nor clipped to its
+        range, on every implementation.
     x : ndarray, float16, float32 or float64
         The forward input.
     mean, rstd : ndarray, shape ``lead``

@@ -146,8 +146,11 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0, out=None):
 
     Parameters
     ----------
-    dy : ndarray, shape of ``x``
-        Gradient of the loss with respect to ``y``.
+    dy : ndarray, shape of ``x``, float16, float32 or float64
+        Gradient of the loss with respect to ``y``, of any float dtype: it is used in the
+        accumulation dtype (float32 for float16/float32 ``x``, float64 for float64), so a
+        float32 ``dy`` for float16 ``x`` is neither rounded to float16 nor clipped to its
+        range, on every implementation.
     x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
         The forward input.
     rstd : ndarray, shape ``lead``

@@ -22,7 +22,10 @@ any batch, thread count or alignment. :data:`PASSES` lists what each kernel does
 float16 rows are, by definition, computed by the float32 kernel: each row is converted to
 float32 (exactly) in a scratch row, and ``y``/``dx`` are rounded once to float16 (to nearest,
 ties to even); ``mean``, ``rstd`` and the parameter gradients are float32, the float32
-kernel's bits (``weight``/``bias`` come in float32, the accumulation dtype).
+kernel's bits (``weight``/``bias`` come in float32, the accumulation dtype). A backward of
+float16 ``x`` with a float32 or float64 ``dy`` runs the float32 kernel on ``x`` converted and
+``dy`` in float32 (the float16 kernels take ``dy`` in float16, which would round it), so
+``dy`` is used as the NumPy and reference paths use it.
 
 Covered in the book, chapter "Implementation", section "A compiled kernel".
 """
@@ -105,6 +108,7 @@ _CTYPES = {
     np.dtype(np.float32): ("float", "f32"),
     np.dtype(np.float64): ("double", "f64"),
 }
+_F16 = np.dtype(np.float16)
 _CDECL = {dtype: f"{ctype}[]" for dtype, (ctype, _) in _CTYPES.items()}
 #: The dtype of mean, rstd, weight, bias and the parameter gradients, by the dtype of x.
 _ACC = {dtype: np.dtype(np.float64 if dtype == np.float64 else np.float32) for dtype in _CTYPES}
@@ -427,6 +431,28 @@ def _writes_out(*results):
     return mark
 
 
+def _wider_dy(x, dy):
+    """float16 ``x`` with a float32 or float64 ``dy``: the float16 kernels take dy in float16,
+    and rounding it there would turn values beyond 65504 into inf and drop the low bits of
+    the others, while the other paths use dy in float32."""
+    return x.dtype == _F16 and dy.dtype != _F16
+
+
+def _as_f32(x):
+    """float16 rows converted (exactly) to float32: the rows the float16 kernels compute."""
+    return x.astype(np.float32)
+
+
+def _half_dx(dx, out):
+    """``dx`` of the float32 kernel rounded once to float16 (to nearest, ties to even, as the
+    float16 kernels round), into the ``out=`` array when one was given; no warning where a
+    value overflows to inf (the kernels do not warn either)."""
+    half = _take(out, 0, dx.shape, _F16)
+    with np.errstate(over="ignore"):
+        np.copyto(half, dx, casting="same_kind")
+    return half
+
+
 @_writes_out(0, 1, 2)
 def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     """LayerNorm forward of rows with the compiled kernel.
@@ -493,7 +519,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
     Parameters
     ----------
     dy, x : ndarray (M, D), float16, float32 or float64
-        Gradient of the output and the forward input (dtype of ``x``).
+        Gradient of the output and the forward input; ``dy`` is converted to the dtype of
+        ``x``, or to float32 for float16 ``x`` with a wider ``dy``.
     mean, rstd : ndarray (M,)
         From the forward; converted to the accumulation dtype (float32 for float16 ``x``,
         else the dtype of ``x``).
@@ -511,6 +538,11 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
     dweight, dbias : ndarray (D,), the accumulation dtype
         Column sums accumulated in float64 per block of rows, the blocks added pairwise.
     """
+    if _wider_dy(x, dy):
+        dx, dweight, dbias = layer_norm_backward_rows(
+            dy, _as_f32(x), mean, rstd, weight, threads=threads
+        )
+        return _half_dx(dx, out), dweight, dbias
     m, n = x.shape
     fn = _c_function("layer_norm_backward", x.dtype)
     x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]
@@ -593,6 +625,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     Parameters
     ----------
     dy, x : ndarray (M, D), float16, float32 or float64
+        As in :func:`layer_norm_backward_rows`.
     rstd : ndarray (M,)
         From the forward; converted to the accumulation dtype (float32 for float16 ``x``,
         else the dtype of ``x``).
@@ -608,6 +641,9 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     dx : ndarray (M, D), dtype of ``x``
     dweight : ndarray (D,), the accumulation dtype
     """
+    if _wider_dy(x, dy):
+        dx, dweight = rms_norm_backward_rows(dy, _as_f32(x), rstd, weight, threads=threads)
+        return _half_dx(dx, out), dweight
     m, n = x.shape
     fn = _c_function("rms_norm_backward", x.dtype)
     x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]
