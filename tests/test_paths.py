@@ -4,6 +4,7 @@ The paths: the compiled kernel, the NumPy path (forced, and as "auto" chooses it
 ``LNLIB_CPU_KERNEL=0``) and the reference. Each is compared with a float64 computation.
 """
 
+import warnings
 
 import numpy as np
 import pytest
@@ -110,3 +111,120 @@ def test_kernel_float16_x_with_float32_dy_is_the_float32_kernel(op, rng):
     for a, b, c in zip(got, wide, into):
         np.testing.assert_array_equal(a, b.astype(a.dtype))
         np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_rstd_of_a_row_of_2_24_within_4_ulp(path, op):
+    """Issue 20, item 5: the error of a row's sums does not grow with its length on any path.
+    One float32 dot over the row put the NumPy path's rstd 686 (LayerNorm) and 35 (RMSNorm)
+    ulp off; blocked sums put it under 1."""
+    n = 1 << 24
+    x = (np.random.default_rng(5).standard_normal((1, n), dtype=F32) + 3).astype(F32)
+    x64 = x.astype(F64)
+    if op == "layer_norm":
+        rstd = lnlib.layer_norm_forward(x)[2]
+        exact = 1 / np.sqrt(((x64 - x64.mean()) ** 2).mean() + 1e-5)
+    else:
+        rstd = lnlib.rms_norm_forward(x)[1]
+        exact = 1 / np.sqrt((x64**2).mean() + 1e-6)
+    ulps = abs(float(rstd[0]) - exact) / float(np.spacing(F32(exact)))
+    assert ulps <= 4, f"rstd is {ulps:.1f} float32 ulp from float64"
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_long_rows_are_batch_invariant_and_deterministic(op, rng):
+    """The NumPy path's blocked sums (rows longer than ROW_BLOCK, with a partial last block):
+    a row alone, in a batch, at an odd offset in memory and with any number of threads gives
+    the same bits."""
+    from lnlib._cpu import numpy_rows
+
+    n = 2 * numpy_rows.ROW_BLOCK + 37
+    buf = rng.standard_normal(12 * n + 1).astype(F32)
+    x = buf[1:].reshape(12, n)  # rows at an address that is not 8-byte aligned
+    weight, bias = rng.uniform(0.5, 1.5, n).astype(F32), rng.standard_normal(n).astype(F32)
+    dy = rng.standard_normal(x.shape).astype(F32)
+
+    def run(rows, threads):
+        if op == "layer_norm":
+            fwd = numpy_rows.layer_norm_forward_rows(rows, weight, bias, 1e-5, threads=threads)
+            bwd = numpy_rows.layer_norm_backward_rows(
+                dy[: len(rows)], rows, *fwd[1:], weight, threads=threads, block_rows=2
+            )
+        else:
+            fwd = numpy_rows.rms_norm_forward_rows(rows, weight, 1e-6, threads=threads)
+            bwd = numpy_rows.rms_norm_backward_rows(
+                dy[: len(rows)], rows, fwd[1], weight, threads=threads, block_rows=2
+            )
+        return fwd, bwd
+
+    one, two = run(x, 1), run(x, 2)
+    for a, b in zip(one[0] + one[1], two[0] + two[1]):
+        np.testing.assert_array_equal(a, b)
+    alone = run(np.ascontiguousarray(x[5:6]), 1)[0]
+    for a, b in zip(alone, one[0]):
+        np.testing.assert_array_equal(
+            a[:1] if a.ndim == 1 else a[0], b[5:6] if b.ndim == 1 else b[5]
+        )
+
+
+_ROWS = np.array(
+    [
+        np.linspace(-2, 3, 40),
+        np.r_[np.nan, np.linspace(-2, 3, 39)],
+        np.r_[np.linspace(-2, 3, 39), np.inf],
+        np.r_[-np.inf, np.linspace(-2, 3, 38), np.inf],
+        np.full(40, np.nan),
+        np.linspace(1, 9, 40) ** 2,
+    ]
+)
+
+
+def _masks(a):
+    a = np.asarray(a)
+    return np.isnan(a), np.isposinf(a), np.isneginf(a)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [F16, F32, F64])
+def test_nan_and_inf_give_no_warnings_and_the_same_results(path, op, dtype, rng):
+    """Issue 20, item 11: NaN and inf in x give NaN and inf in the same places on every path
+    (those of float64), without RuntimeWarnings (the NumPy path warned, the kernel did not);
+    the finite rows are unaffected."""
+    x = _ROWS.astype(dtype)
+    weight = rng.uniform(0.5, 1.5, 40).astype(F64 if dtype == F64 else F32)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    exact = {}
+    with np.errstate(all="ignore"):
+        x64, w64 = x.astype(F64), weight.astype(F64)
+        if op == "layer_norm":
+            exact["y"], *stats = reference.layer_norm_forward(x64, w64)
+        else:
+            exact["y"], *stats = reference.rms_norm_forward(x64, w64)
+        exact["dx"] = _exact_backward(op, dy, x, stats, weight)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fwd = getattr(lnlib, f"{op}_forward")(x, weight)
+        got = {"y": fwd[0], "dx": getattr(lnlib, f"{op}_backward")(dy, x, *fwd[1:], weight)[0]}
+    finite = [0, 5]
+    for name in ("y", "dx"):
+        for a, b in zip(_masks(got[name]), _masks(exact[name])):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        _close(got[name][finite], exact[name][finite], TOL[dtype], name)
+    for s, e in zip(fwd[1:], stats):
+        np.testing.assert_array_equal(np.isfinite(s), np.isfinite(e))
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [F16, F32, F64])
+def test_an_eps_below_float32_range_still_counts(path, op, dtype):
+    """Issue 20, item 11: eps is added in float64 on every path (as the kernel does), so a
+    constant row with eps = 1e-46 (0 in float32) has rstd = 1/sqrt(1e-46), not inf, and y is
+    its bias, not NaN."""
+    eps = 1e-46
+    x = np.full((3, 33), 2.5 if op == "layer_norm" else 0.0, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y, *stats = getattr(lnlib, f"{op}_forward")(x, eps=eps)
+    acc = F64 if dtype == F64 else F32
+    np.testing.assert_array_equal(stats[-1], np.full(3, 1 / np.sqrt(eps), dtype=acc))
+    np.testing.assert_array_equal(y, np.zeros_like(x))
