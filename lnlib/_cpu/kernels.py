@@ -467,8 +467,8 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     eps : float
         Added to the variance.
     threads : int, optional
-        Chunks of rows run in this many threads (default: the cores available); the results
-        do not depend on it.
+        Chunks of rows run in this many threads (default: :func:`lnlib.get_num_threads`); the
+        results do not depend on it.
     out : tuple of (ndarray or None), optional
         Arrays to write ``y``, ``mean`` and ``rstd`` into (contiguous, of the result's shape
         and dtype, overlapping no input: the public functions check); None entries are
