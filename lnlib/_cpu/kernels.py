@@ -9,7 +9,8 @@ function wants ``float *``, ``double *`` or ``uint16_t *`` (float16), raises ``T
 Nothing is compiled or loaded from a cache folder at run time: only the module installed with
 the package is imported.
 
-Where the package was installed without a C compiler (or the module is damaged), lnlib runs
+Where the package was installed without a C compiler, or the module is not byte for byte the
+one the build wrote (its sha256 is recorded beside it, in ``_norms.sha256``), lnlib runs
 its NumPy path and says so once, with a :class:`RuntimeWarning`, at first use;
 :func:`info` says which path runs and why.
 
@@ -31,10 +32,10 @@ Covered in the book, chapter "Implementation", section "A compiled kernel".
 """
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import os
-import struct
 import sys
 import threading
 import warnings
@@ -114,6 +115,7 @@ _CDECL = {dtype: f"{ctype}[]" for dtype, (ctype, _) in _CTYPES.items()}
 _ACC = {dtype: np.dtype(np.float64 if dtype == np.float64 else np.float32) for dtype in _CTYPES}
 _FILLED = {}  # read-only ones and zeros for absent parameters, by (D, dtype, value)
 _FUNCTIONS = [f"{op}_{suffix}" for op in PASSES for suffix in ("f16", "f32", "f64")]
+_DIGEST_FILE = "_norms.sha256"  # beside the module: its sha256, written by the build
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _lock = threading.Lock()
 _state = {"module": None, "loaded": False, "reason": "not loaded yet", "path": None}
@@ -128,8 +130,9 @@ def _load():
             "extension module lnlib._cpu._norms was not built (lnlib was installed "
             "without a C compiler?)"
         )
-    if not _complete_library(spec.origin):
-        return None, f"extension module {spec.origin} is damaged (shorter than its headers say)"
+    problem = _digest_problem(spec.origin)
+    if problem:
+        return None, f"extension module {spec.origin} {problem}"
     try:
         module = importlib.import_module(name)
     except ImportError as exc:
@@ -155,32 +158,29 @@ def _load():
     return module, f"compiled kernel {spec.origin}"
 
 
-def _complete_library(path):
-    """False if ``path`` is an ELF file shorter than its headers say.
+def _digest_problem(path):
+    """Why the module at ``path`` must not be loaded, or None when its sha256 is the one
+    recorded beside it when it was built (``lnlib/kernels/build_norms.py``).
 
-    Loading a truncated library does not raise: the process dies with SIGBUS when it touches a
-    page past the end of the file. Other formats are left to the import to judge.
+    A damaged library is not refused by the loader: it can kill the process inside
+    ``dlopen`` (zeroed program headers: SIGSEGV) or at its first use (truncated: SIGBUS),
+    before any check of what was loaded could run. So nothing is loaded that is not, byte for
+    byte, what the build wrote.
     """
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:4] != b"\x7fELF":
-        return True
+    record = os.path.join(os.path.dirname(path), _DIGEST_FILE)
     try:
-        wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
-        word = order + ("Q" if wide else "I")
-        phoff, shoff = struct.unpack_from(word + word[1], data, 0x20 if wide else 0x1C)
-        phsize, phnum, shsize, shnum = struct.unpack_from(
-            order + "4H", data, 0x36 if wide else 0x2A
+        with open(record, encoding="ascii") as f:
+            recorded = f.read().split()
+    except (OSError, UnicodeDecodeError):
+        return f"has no digest recorded beside it ({_DIGEST_FILE}, written when lnlib is built)"
+    with open(path, "rb") as f:
+        actual = hashlib.sha256(f.read()).hexdigest()
+    if recorded != [actual, os.path.basename(path)]:
+        return (
+            f"does not match the digest recorded when it was built ({_DIGEST_FILE}): "
+            "damaged or replaced"
         )
-        end = max(phoff + phnum * phsize, shoff + shnum * shsize)
-        for i in range(phnum):  # the bytes each segment maps from the file
-            at = phoff + i * phsize
-            offset = struct.unpack_from(word, data, at + (8 if wide else 4))[0]
-            size = struct.unpack_from(word, data, at + (32 if wide else 16))[0]
-            end = max(end, offset + size)
-    except struct.error:  # not even the headers are there
-        return False
-    return len(data) >= end
+    return None
 
 
 def _module():
