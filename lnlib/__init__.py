@@ -11,6 +11,7 @@ Importing lnlib needs NumPy only; torch, CuPy and matplotlib are imported where 
 """
 
 from ._backend import show_config, use_implementation
+from ._rows import get_num_threads, set_num_threads
 from .ada_norm import (
     ada_layer_norm,
     ada_layer_norm_backward,
@@ -60,4 +61,6 @@ __all__ = [
     "check_grad",
     "use_implementation",
     "show_config",
+    "set_num_threads",
+    "get_num_threads",
 ]

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._rows import thread_setting
+
 __all__ = ["use_implementation", "show_config"]
 
 OPS = ("layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward")
@@ -176,8 +178,22 @@ def _kernel_usable():
     enabled, reason = kernel_setting()
     if not enabled:
         return False, reason
-    info = importlib.import_module("lnlib._cpu.kernels").info()
+    info = _kernels_module().info()
     return bool(info["kernel"]), info["reason"]
+
+
+#: lnlib._cpu.kernels once it is fully imported (None before): set only by _kernels_module.
+_kernels = None
+
+
+def _kernels_module():
+    """The kernel binding module, imported once. ``importlib.import_module`` waits while
+    another thread is still importing it, so the module returned is complete: a module found
+    in ``sys.modules`` may still be half-way through its import in another thread."""
+    global _kernels
+    if _kernels is None:
+        _kernels = importlib.import_module("lnlib._cpu.kernels")
+    return _kernels
 
 
 def _usable(impl):
@@ -255,15 +271,18 @@ def select(op, xp, dtype):
         If the implementation forced with :func:`use_implementation` cannot handle ``xp`` or
         ``dtype``, or is not available on this machine (the message says which).
     ValueError
-        ``LNLIB_CPU_KERNEL`` has a value that is neither on nor off.
+        ``LNLIB_CPU_KERNEL`` has a value that is neither on nor off, or ``LNLIB_NUM_THREADS``
+        is not a positive integer.
     """
     dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
     name = _forced.get()
     if xp is not np:
         return _uncached(op, "cupy", dtype, name)
-    key = (op, dtype, name, os.environ.get("LNLIB_CPU_KERNEL"), _kernel_state())
+    env = os.environ.get("LNLIB_CPU_KERNEL"), os.environ.get("LNLIB_NUM_THREADS")
+    key = (op, dtype, name, *env, _kernel_state())
     fn = _SELECTED.get(key)
     if fn is None:
+        thread_setting()  # a bad LNLIB_NUM_THREADS fails every call, not only large ones
         fn = _uncached(op, "numpy", dtype, name)
         if key[-1] is not _UNLOADED:  # the choice may depend on the kernel's first load
             if len(_SELECTED) > 256:
@@ -279,18 +298,19 @@ def _uncached(op, xp_name, dtype, name):
 
 
 #: Row functions chosen for NumPy arrays, by (op, dtype, implementation in force,
-#: LNLIB_CPU_KERNEL, the loaded kernel module): everything the choice depends on, so that a
-#: cached choice is the one :func:`select` would make again. Failures are never cached.
+#: LNLIB_CPU_KERNEL, LNLIB_NUM_THREADS (checked once per value), the loaded kernel module):
+#: everything the choice depends on, so that a cached choice is the one :func:`select` would
+#: make again. Failures are never cached.
 _SELECTED = {}
 _UNLOADED = object()
 
 
 def _kernel_state():
     """The loaded kernel extension (None where it failed), or _UNLOADED before the first try."""
-    kernels = sys.modules.get("lnlib._cpu.kernels")
-    if kernels is None or not kernels._state["loaded"]:
+    if _kernels is None:  # not imported yet, so not loaded either
         return _UNLOADED
-    return kernels._state["module"]
+    tried, module = _kernels.load_result()
+    return module if tried else _UNLOADED
 
 
 @contextlib.contextmanager
@@ -356,16 +376,23 @@ def show_config(*, file=None):
     Returns
     -------
     dict
-        ``{"forced": name in force, "implementations": {name: {"available": bool,
-        "reason": str, "dtypes": [...], "array_module": str}}}``, and under ``"kernel"``
-        also the build details from ``lnlib._cpu.kernels.info()`` when it was consulted.
+        ``{"forced": name in force, "threads": {"num_threads": int, "reason": str},
+        "implementations": {name: {"available": bool, "reason": str, "description": str,
+        "dtypes": [...], "array_module": str}}}``: ``num_threads`` is
+        :func:`lnlib.get_num_threads` and ``reason`` where it comes from (``num_threads``
+        None, and the error in ``reason``, for a bad ``LNLIB_NUM_THREADS``).
 
     Notes
     -----
     Asking about the kernel may compile it (once). See :func:`use_implementation`.
     Covered in :ref:`sec-ch05-performance`.
     """
-    config = {"forced": _forced.get(), "implementations": {}}
+    config = {"forced": _forced.get(), "threads": {}, "implementations": {}}
+    try:
+        threads, why = thread_setting()
+    except ValueError as exc:  # a bad LNLIB_NUM_THREADS
+        threads, why = None, str(exc)
+    config["threads"] = {"num_threads": threads, "reason": why}
     for impl in _REGISTRY.values():
         try:
             usable, reason = _usable(impl)
@@ -379,7 +406,10 @@ def show_config(*, file=None):
             "array_module": impl.array_module,
         }
     if file is not False:
-        lines = [f"lnlib implementation in force: {config['forced']}"]
+        lines = [
+            f"lnlib implementation in force: {config['forced']}",
+            f"lnlib threads per call: {threads} ({why})",
+        ]
         for name, row in config["implementations"].items():
             mark = "yes" if row["available"] else "no "
             lines.append(f"  {name:<10} {mark} {row['description']}: {row['reason']}")

@@ -15,6 +15,7 @@ chunk it falls in, so a row's result is bitwise independent of the rest of the b
 """
 
 import math
+import numbers
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,11 @@ BLOCK_BYTES = 1 << 20
 PARALLEL_MIN_ELEMENTS = 1 << 16
 
 _pool = None
+_pool_workers = 0
 _pool_lock = threading.Lock()
+#: The thread count set by set_num_threads (1 in a forked child), or None: then
+#: LNLIB_NUM_THREADS, or else the cores available; and what set it.
+_num_threads, _num_threads_reason = None, ""
 
 
 def cpu_threads():
@@ -38,19 +43,106 @@ def cpu_threads():
         return os.cpu_count() or 1
 
 
-def _executor():
-    global _pool
+def thread_setting():
+    """``(threads, reason)``: the most threads one lnlib call runs in, and where that comes from.
+
+    Raises
+    ------
+    ValueError
+        ``LNLIB_NUM_THREADS`` is set to something other than a positive integer.
+    """
+    if _num_threads is not None:
+        return _num_threads, _num_threads_reason
+    raw = os.environ.get("LNLIB_NUM_THREADS", "")
+    if not raw.strip():
+        return cpu_threads(), "the cores this process may run on"
+    value = raw.strip()
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            "LNLIB_NUM_THREADS must be a positive integer (the most threads one lnlib call "
+            f"runs in), got {raw!r}"
+        )
+    return int(value), f"LNLIB_NUM_THREADS={raw}"
+
+
+def get_num_threads():
+    r"""The most threads one lnlib call on the CPU runs in.
+
+    Returns
+    -------
+    int
+        The number given to :func:`set_num_threads` in this process; else, in a child made by
+        ``os.fork`` (a ``multiprocessing`` or ``DataLoader`` worker started by fork), 1; else
+        the environment variable ``LNLIB_NUM_THREADS``; else the cores this process may run
+        on.
+
+    Raises
+    ------
+    ValueError
+        ``LNLIB_NUM_THREADS`` is not a positive integer.
+
+    Notes
+    -----
+    Calls too small to gain from threads run in the calling thread whatever the setting;
+    results are bitwise the same for any number of threads. The threads are lnlib's own (the
+    NumPy path and the compiled kernel split the rows among them); BLAS and PyTorch have
+    their own settings. :func:`lnlib.show_config` reports it. Covered in
+    :ref:`sec-ch05-performance`.
+    """
+    return thread_setting()[0]
+
+
+def set_num_threads(n):
+    r"""Limit every later lnlib call in this process to ``n`` threads.
+
+    Parameters
+    ----------
+    n : int
+        At least 1; it replaces ``LNLIB_NUM_THREADS`` and the default (the cores available).
+        More than the cores available is allowed.
+
+    Raises
+    ------
+    TypeError
+        ``n`` is not an integer (``bool`` included).
+    ValueError
+        ``n`` is less than 1.
+
+    Notes
+    -----
+    Process-wide, like ``torch.set_num_threads``. A child made by ``os.fork`` starts with one
+    thread whatever the parent set (as PyTorch's ``DataLoader`` workers do), until it calls
+    this function itself. See :func:`get_num_threads`. Covered in
+    :ref:`sec-ch05-performance`.
+    """
+    global _num_threads, _num_threads_reason
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"n must be an int (the most threads one call runs in), got {n!r}")
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    _num_threads, _num_threads_reason = int(n), f"lnlib.set_num_threads({int(n)})"
+
+
+def _executor(workers):
+    """The worker pool, with at least ``workers`` threads (made again when it has fewer)."""
+    global _pool, _pool_workers
     with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=cpu_threads(), thread_name_prefix="lnlib")
+        if _pool is None or _pool_workers < workers:
+            old, _pool_workers = _pool, max(workers, cpu_threads())
+            _pool = ThreadPoolExecutor(max_workers=_pool_workers, thread_name_prefix="lnlib")
+            if old is not None:
+                old.shutdown(wait=False)  # its running chunks finish; it takes no new ones
         return _pool
 
 
 def _forget_pool():
     """In a child made by ``os.fork()`` the parent's worker threads do not exist: drop the
-    pool (without waiting for them) and its lock, so the child starts its own."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+    pool (without waiting for them) and its lock, so the child starts its own; and run one
+    thread per call, as PyTorch's workers do (many forked workers, each with a thread per
+    core, would oversubscribe the cores)."""
+    global _pool, _pool_workers, _pool_lock, _num_threads, _num_threads_reason
+    _pool, _pool_workers, _pool_lock = None, 0, threading.Lock()
+    _num_threads, _num_threads_reason = 1, "a child made by os.fork starts with one thread"
 
 
 if hasattr(os, "register_at_fork"):
@@ -61,7 +153,8 @@ def _submit_all(chunk_fn, bounds, block_rows):
     """Futures for the chunks ``bounds``, or None when no thread can be started (during
     interpreter shutdown the pool refuses new work): the caller then runs them itself."""
     try:
-        return [_executor().submit(chunk_fn, s, e, block_rows) for s, e in bounds]
+        pool = _executor(len(bounds))
+        return [pool.submit(chunk_fn, s, e, block_rows) for s, e in bounds]
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
         return None
 
@@ -74,14 +167,14 @@ def default_block_rows(n, itemsize):
 def run_chunks(m, n, chunk_fn, *, block_rows=None, threads=None, itemsize=4):
     """Call ``chunk_fn(start, stop, block_rows)`` on contiguous row ranges covering ``[0, m)``.
 
-    The ranges are computed from ``m``, ``threads`` and ``block_rows`` only, and the results are
-    returned in range order, so that anything combined across chunks (parameter gradients) is
-    deterministic.
+    ``threads`` defaults to :func:`get_num_threads`. The ranges are computed from ``m``,
+    ``threads`` and ``block_rows`` only, and the results are returned in range order, so that
+    anything combined across chunks (parameter gradients) is deterministic.
     """
     block_rows = default_block_rows(n, itemsize) if block_rows is None else int(block_rows)
     if m * n < PARALLEL_MIN_ELEMENTS:  # before asking the system for the cores (a system call)
         return [chunk_fn(0, m, block_rows)]
-    threads = cpu_threads() if threads is None else int(threads)
+    threads = get_num_threads() if threads is None else int(threads)
     if threads <= 1 or m < 2 * block_rows:
         return [chunk_fn(0, m, block_rows)]
     nblocks = -(-m // block_rows)

@@ -28,7 +28,7 @@ def layer_norm(
     weight, bias : ndarray of shape ``norm``, optional
         Gain :math:`\gamma` and bias :math:`\beta` (default: 1 and 0).
     eps : float, default 1e-5
-        Added to the variance inside the square root; finite and >= 0.
+        Added to the variance inside the square root, in float64; finite and >= 0.
     normalized_ndim : int, default 1
         How many trailing axes to normalize over.
     weight_offset : float, default 0.0
@@ -94,7 +94,7 @@ def layer_norm_forward(
     weight, bias : ndarray of shape ``norm``, optional
         Elementwise affine parameters :math:`\gamma` and :math:`\beta` (default: 1 and 0).
     eps : float, default 1e-5
-        Added to the variance inside the square root; finite and >= 0.
+        Added to the variance inside the square root, in float64; finite and >= 0.
     normalized_ndim : int, default 1
         How many trailing axes to normalize over, like the length of ``normalized_shape`` in
         ``torch.nn.functional.layer_norm``.
@@ -132,10 +132,16 @@ def layer_norm_forward(
 
     Notes
     -----
-    float16 and float32 inputs are accumulated in float32, float64 in float64. Each row is
-    computed independently by the same operations, so results are bitwise independent of the
-    other rows in the batch. Covered in :ref:`sec-ch02-one-vector` and
-    :ref:`sec-ch02-tensors`; what is saved for the backward in :ref:`sec-ch05-saves`.
+    float16 and float32 inputs are accumulated in float32, float64 in float64; the sums over a row
+    are added in float64 per block, so their error does not grow with the row length. Each row
+    is computed independently by the same operations, so results are bitwise independent of the
+    other rows in the batch. ``eps`` is added to the variance in float64 and ``rstd`` rounded
+    once to its dtype, so any positive ``eps`` counts (in float32 one below about 1e-45 would be
+    0). NaN or inf in a row make that row's results NaN or inf (where float64 arithmetic puts
+    them), with no floating-point warning. Every CPU implementation
+    (:func:`lnlib.use_implementation`) does both the same way. Covered in
+    :ref:`sec-ch02-one-vector` and :ref:`sec-ch02-tensors`; what is saved for the backward in
+    :ref:`sec-ch05-saves`.
 
     References
     ----------
@@ -177,8 +183,11 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0, ou
 
     Parameters
     ----------
-    dy : ndarray, shape of ``x``
-        Gradient of the loss with respect to ``y``.
+    dy : ndarray, shape of ``x``, float16, float32 or float64
+        Gradient of the loss with respect to ``y``, of any float dtype: it is used in the
+        accumulation dtype (float32 for float16/float32 ``x``, float64 for float64), so a
+        float32 ``dy`` for float16 ``x`` is neither rounded to float16 nor clipped to its
+        range, on every implementation.
     x : ndarray, float16, float32 or float64
         The forward input.
     mean, rstd : ndarray, shape ``lead``
@@ -214,7 +223,9 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0, ou
     Notes
     -----
     The gradient is accumulated in float32 for float16/float32 ``x`` and in float64 for
-    float64 ``x``, whatever the dtype of ``mean`` and ``rstd`` (they are cast to it).
+    float64 ``x``, whatever the dtype of ``mean`` and ``rstd`` (they are cast to it). NaN or
+    inf in the inputs give NaN or inf in the results, with no floating-point warning, on
+    every implementation.
     Covered in :ref:`sec-ch02-backward`.
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)

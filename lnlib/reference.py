@@ -15,13 +15,38 @@ Statistics are accumulated in float32 for float16/float32 inputs and in float64 
 results come back in the dtype of ``x`` (parameter gradients in the dtype of the parameter).
 """
 
+import functools
+
+import numpy as np
+
 from ._backend import accumulation_dtype, get_array_module
 from ._rows import expand_stat as _expand
 from ._rows import sum_to_shape
 
 
+def _quiet(fn):
+    """``fn`` run without floating-point warnings: NaN and inf in a row give NaN and inf in
+    its results silently, as on every other path (the compiled kernel raises none)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _last_axes(ndim, k):
     return tuple(range(ndim - k, ndim))
+
+
+def _rstd(var, eps):
+    r"""``1 / sqrt(var + eps)`` computed in float64 and returned in the dtype of ``var``.
+
+    ``eps`` is added in float64 on every path (as the compiled kernel does), so an ``eps``
+    too small for float32 (below about 1e-45) still counts.
+    """
+    return (1 / (var.astype("float64") + eps) ** 0.5).astype(var.dtype)
 
 
 def layer_norm_dx(g, xhat, rstd, axes=None, means=None):
@@ -95,6 +120,7 @@ def rms_norm_dx(g, xhat, rstd, axes):
     return rstd * (g - xhat * gxhat_mean)  # (N, D)
 
 
+@_quiet
 def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1):
     r"""LayerNorm forward, :math:`y = (x - \mu)\,r\,\gamma + \beta`, in a few lines.
 
@@ -126,7 +152,7 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
     mean = xa.mean(axis=_last_axes(x.ndim, k))  # (N,)
     xc = xa - _expand(mean, k)  # (N, D)
     var = (xc * xc).mean(axis=_last_axes(x.ndim, k))  # (N,) biased variance, two passes
-    rstd = 1 / (var + eps) ** 0.5  # (N,)
+    rstd = _rstd(var, eps)  # (N,)
     y = xc * _expand(rstd, k)  # (N, D) xhat
     if weight is not None:
         y = y * weight.astype(xa.dtype)  # (N, D) weight (D,)
@@ -135,6 +161,7 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
     return y.astype(x.dtype), mean, rstd
 
 
+@_quiet
 def layer_norm_backward(dy, x, mean, rstd, weight=None):
     r"""LayerNorm backward: :math:`dx = r\,(g - \overline{g} - \hat{x}\,\overline{g\hat{x}})`.
 
@@ -174,6 +201,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None):
     return dx.astype(x.dtype), dweight, dbias
 
 
+@_quiet
 def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1):
     r"""RMSNorm forward: :math:`y = x\,r\,\gamma`, :math:`r = (\overline{x^2} + \epsilon)^{-1/2}`.
 
@@ -202,13 +230,14 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1):
     """
     k = normalized_ndim
     xa = x.astype(accumulation_dtype(x.dtype))  # (N, D)
-    rstd = 1 / ((xa * xa).mean(axis=_last_axes(x.ndim, k)) + eps) ** 0.5  # (N,)
+    rstd = _rstd((xa * xa).mean(axis=_last_axes(x.ndim, k)), eps)  # (N,)
     y = xa * _expand(rstd, k)  # (N, D) xhat
     if weight is not None:
         y = y * weight.astype(xa.dtype)  # (N, D) weight (D,)
     return y.astype(x.dtype), rstd
 
 
+@_quiet
 def rms_norm_backward(dy, x, rstd, weight=None):
     r"""RMSNorm backward: :math:`dx = r\,(g - \hat{x}\,\overline{g\hat{x}})`, :math:`\hat{x} = xr`.
 

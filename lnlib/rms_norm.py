@@ -23,7 +23,7 @@ def rms_norm(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offset=0.0, 
     weight : ndarray of shape ``norm``, optional
         Gain :math:`\gamma` (default 1).
     eps : float, default 1e-6
-        Added to the mean square inside the square root; finite and >= 0.
+        Added to the mean square inside the square root, in float64; finite and >= 0.
     normalized_ndim : int, default 1
         How many trailing axes to normalize over.
     weight_offset : float, default 0.0
@@ -77,7 +77,7 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
     weight : ndarray of shape ``norm``, optional
         Elementwise gain :math:`\gamma` (default 1).
     eps : float, default 1e-6
-        Added to the mean square inside the square root; finite and >= 0.
+        Added to the mean square inside the square root, in float64; finite and >= 0.
     normalized_ndim : int, default 1
         Number of trailing axes normalized over.
     weight_offset : float, default 0.0
@@ -109,7 +109,11 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
 
     Notes
     -----
-    Matches ``torch.nn.functional.rms_norm`` with the same ``eps``. Covered in
+    Matches ``torch.nn.functional.rms_norm`` with the same ``eps``. ``eps`` is added to the mean
+    square in float64 and ``rstd`` rounded once to its dtype, so any positive ``eps`` counts (in
+    float32 one below about 1e-45 would be 0). NaN or inf in a row make that row's results NaN
+    or inf (where float64 arithmetic puts them), with no floating-point warning. Every CPU
+    implementation (:func:`lnlib.use_implementation`) does both the same way. Covered in
     :doc:`/book/04_variants`, section "RMSNorm".
 
     References
@@ -146,8 +150,11 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0, out=None):
 
     Parameters
     ----------
-    dy : ndarray, shape of ``x``
-        Gradient of the loss with respect to ``y``.
+    dy : ndarray, shape of ``x``, float16, float32 or float64
+        Gradient of the loss with respect to ``y``, of any float dtype: it is used in the
+        accumulation dtype (float32 for float16/float32 ``x``, float64 for float64), so a
+        float32 ``dy`` for float16 ``x`` is neither rounded to float16 nor clipped to its
+        range, on every implementation.
     x : ndarray, float16, float32 or float64, shape ``(*lead, *norm)``
         The forward input.
     rstd : ndarray, shape ``lead``
@@ -176,8 +183,9 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0, out=None):
     Notes
     -----
     Accumulated in float32 for float16/float32 ``x``, float64 for float64 ``x``, whatever the
-    dtype of ``rstd`` (cast to it). Covered in :doc:`/book/04_variants`, section "RMSNorm",
-    "The backward pass".
+    dtype of ``rstd`` (cast to it). NaN or inf in the inputs give NaN or inf in the results,
+    with no floating-point warning, on every implementation. Covered in
+    :doc:`/book/04_variants`, section "RMSNorm", "The backward pass".
     """
     xp = get_array_module(dy=dy, x=x, rstd=rstd, weight=weight)
     dy, x, (rstd,), k = check.backward_inputs(dy, x, xp, rstd=rstd)

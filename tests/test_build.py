@@ -15,6 +15,7 @@ tens of seconds. They skip only with a stated reason (not a git checkout, no C c
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
@@ -177,7 +178,8 @@ def test_wheel_is_a_platform_wheel_with_the_compiled_kernel(installed):
     wheel = installed[0]
     assert not wheel.name.endswith("-none-any.whl"), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
-    assert [n for n in names if n.startswith("lnlib/_cpu/_norms.")], names
+    assert [n for n in names if n.startswith("lnlib/_cpu/_norms.") and "sha256" not in n], names
+    assert "lnlib/_cpu/_norms.sha256" in names  # the digest checked before loading
     assert "lnlib/kernels/norms.h" in names and "lnlib/kernels/norms_cpu.c" in names
 
 
@@ -194,7 +196,7 @@ def test_installed_wheel_runs_the_kernel_without_a_compiler(installed):
 @pytest.mark.parametrize("damage", ["removed", "garbage", "truncated"])
 def test_missing_or_damaged_module_falls_back_with_one_warning(installed, damage):
     _, python, package, tmp = installed
-    (module,) = (package / "_cpu").glob("_norms.*")
+    (module,) = (p for p in (package / "_cpu").glob("_norms.*") if p.name != "_norms.sha256")
     saved = module.read_bytes()
     try:
         if damage == "removed":
@@ -295,3 +297,97 @@ def test_missing_module_in_this_process_warns_once(monkeypatch, rng):
         np.testing.assert_array_equal(y, lnlib.layer_norm(x))
     with pytest.raises(RuntimeError, match="not available"), lnlib.use_implementation("kernel"):
         lnlib.layer_norm(x)
+
+
+def _text_section(data):
+    """``(offset, size)`` of the ``.text`` section (the code) of the 64-bit ELF file ``data``."""
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<3H", data, 0x3A)
+    sections = [struct.unpack_from("<I4xQ8xQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][2]  # the section holding the names: its file offset
+    for name, _flags, offset, size in sections:
+        if data[names + name : names + name + 6] == b".text\0":
+            return offset, size
+    raise AssertionError("no .text section")
+
+
+def _damage(module, how):
+    data = bytearray(module.read_bytes())
+    if how == "zeroed program headers":
+        data[64:200] = bytes(136)
+    elif how == "flipped bytes in the code":
+        offset, size = _text_section(bytes(data))
+        at = offset + size // 2
+        data[at : at + 16] = bytes(b ^ 0xFF for b in data[at : at + 16])
+    elif how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "another library":
+        import _cffi_backend
+
+        data = Path(_cffi_backend.__file__).read_bytes()
+    if how == "no digest recorded":
+        (module.parent / "_norms.sha256").unlink()
+    else:
+        module.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def package_copy(tmp_path):
+    """A copy of this checkout's lnlib (kernel and digest included), in ``tmp_path``: the
+    damage tests change the copy, never the installed module."""
+    if not kernels.available()[0]:
+        _skip(f"the kernel is not built in this checkout: {kernels.available()[1]}")
+    shutil.copytree(
+        Path(lnlib.__file__).parent,
+        tmp_path / "lnlib",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    (module,) = (tmp_path / "lnlib" / "_cpu").glob("_norms.*.so")
+    return tmp_path, module
+
+
+def _probe_copy(tmp):
+    env = dict(os.environ, PYTHONPATH=str(tmp), LNLIB_CPU_KERNEL="1")
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"the process died ({done.returncode}): {done.stderr[-2000:]}"
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert Path(result["lnlib"]).parent == tmp / "lnlib"  # the copy ran, not this checkout
+    return result
+
+
+def test_intact_copy_loads_its_kernel(package_copy):
+    tmp, module = package_copy
+    result = _probe_copy(tmp)
+    assert result["info"]["kernel"] and Path(result["info"]["path"]) == module
+    assert _kernel_warnings(result) == []
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "zeroed program headers",
+        "flipped bytes in the code",
+        "truncated",
+        "another library",
+        "no digest recorded",
+    ],
+)
+def test_damaged_kernel_is_refused_by_its_digest(package_copy, how):
+    """Issue 20, item 7: the module is checked against the sha256 the build recorded before it
+    is loaded; any damage falls back to the NumPy path with one warning, never a crash (zeroed
+    program headers killed the process with SIGSEGV inside dlopen)."""
+    tmp, module = package_copy
+    _damage(module, how)
+    result = _probe_copy(tmp)
+    assert not result["info"]["kernel"] and result["info"]["path"] is None
+    assert "digest" in result["info"]["reason"] and "_norms" in result["info"]["reason"]
+    assert len(_kernel_warnings(result)) == 1, result["warnings"]
+    assert result["err"] < 1e-5  # the NumPy path ran

@@ -18,8 +18,10 @@ KERNEL_DIR = Path(lnlib.__file__).parent / "kernels"
 
 @pytest.fixture
 def kernel():
-    """The kernel's row functions; skipped with the reason where the module was not built."""
-    usable, reason = kernels.available()
+    """The kernel's row functions; skipped with the reason where the module was not built or
+    ``LNLIB_CPU_KERNEL`` switches it off (the tests also run it through the selection point)."""
+    row = lnlib.show_config(file=False)["implementations"]["kernel"]
+    usable, reason = row["available"], row["reason"]
     if not usable:
         pytest.skip(f"compiled kernel not available: {reason}")
     return kernels

@@ -9,7 +9,8 @@ function wants ``float *``, ``double *`` or ``uint16_t *`` (float16), raises ``T
 Nothing is compiled or loaded from a cache folder at run time: only the module installed with
 the package is imported.
 
-Where the package was installed without a C compiler (or the module is damaged), lnlib runs
+Where the package was installed without a C compiler, or the module is not byte for byte the
+one the build wrote (its sha256 is recorded beside it, in ``_norms.sha256``), lnlib runs
 its NumPy path and says so once, with a :class:`RuntimeWarning`, at first use;
 :func:`info` says which path runs and why.
 
@@ -22,16 +23,19 @@ any batch, thread count or alignment. :data:`PASSES` lists what each kernel does
 float16 rows are, by definition, computed by the float32 kernel: each row is converted to
 float32 (exactly) in a scratch row, and ``y``/``dx`` are rounded once to float16 (to nearest,
 ties to even); ``mean``, ``rstd`` and the parameter gradients are float32, the float32
-kernel's bits (``weight``/``bias`` come in float32, the accumulation dtype).
+kernel's bits (``weight``/``bias`` come in float32, the accumulation dtype). A backward of
+float16 ``x`` with a float32 or float64 ``dy`` runs the float32 kernel on ``x`` converted and
+``dy`` in float32 (the float16 kernels take ``dy`` in float16, which would round it), so
+``dy`` is used as the NumPy and reference paths use it.
 
 Covered in the book, chapter "Implementation", section "A compiled kernel".
 """
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import os
-import struct
 import sys
 import threading
 import warnings
@@ -45,6 +49,7 @@ __all__ = [
     "available",
     "info",
     "layer_norm_backward_rows",
+    "load_result",
     "layer_norm_forward_rows",
     "rms_norm_backward_rows",
     "rms_norm_forward_rows",
@@ -104,11 +109,13 @@ _CTYPES = {
     np.dtype(np.float32): ("float", "f32"),
     np.dtype(np.float64): ("double", "f64"),
 }
+_F16 = np.dtype(np.float16)
 _CDECL = {dtype: f"{ctype}[]" for dtype, (ctype, _) in _CTYPES.items()}
 #: The dtype of mean, rstd, weight, bias and the parameter gradients, by the dtype of x.
 _ACC = {dtype: np.dtype(np.float64 if dtype == np.float64 else np.float32) for dtype in _CTYPES}
 _FILLED = {}  # read-only ones and zeros for absent parameters, by (D, dtype, value)
 _FUNCTIONS = [f"{op}_{suffix}" for op in PASSES for suffix in ("f16", "f32", "f64")]
+_DIGEST_FILE = "_norms.sha256"  # beside the module: its sha256, written by the build
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _lock = threading.Lock()
 _state = {"module": None, "loaded": False, "reason": "not loaded yet", "path": None}
@@ -123,8 +130,9 @@ def _load():
             "extension module lnlib._cpu._norms was not built (lnlib was installed "
             "without a C compiler?)"
         )
-    if not _complete_library(spec.origin):
-        return None, f"extension module {spec.origin} is damaged (shorter than its headers say)"
+    problem = _digest_problem(spec.origin)
+    if problem:
+        return None, f"extension module {spec.origin} {problem}"
     try:
         module = importlib.import_module(name)
     except ImportError as exc:
@@ -150,32 +158,29 @@ def _load():
     return module, f"compiled kernel {spec.origin}"
 
 
-def _complete_library(path):
-    """False if ``path`` is an ELF file shorter than its headers say.
+def _digest_problem(path):
+    """Why the module at ``path`` must not be loaded, or None when its sha256 is the one
+    recorded beside it when it was built (``lnlib/kernels/build_norms.py``).
 
-    Loading a truncated library does not raise: the process dies with SIGBUS when it touches a
-    page past the end of the file. Other formats are left to the import to judge.
+    A damaged library is not refused by the loader: it can kill the process inside
+    ``dlopen`` (zeroed program headers: SIGSEGV) or at its first use (truncated: SIGBUS),
+    before any check of what was loaded could run. So nothing is loaded that is not, byte for
+    byte, what the build wrote.
     """
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:4] != b"\x7fELF":
-        return True
+    record = os.path.join(os.path.dirname(path), _DIGEST_FILE)
     try:
-        wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
-        word = order + ("Q" if wide else "I")
-        phoff, shoff = struct.unpack_from(word + word[1], data, 0x20 if wide else 0x1C)
-        phsize, phnum, shsize, shnum = struct.unpack_from(
-            order + "4H", data, 0x36 if wide else 0x2A
+        with open(record, encoding="ascii") as f:
+            recorded = f.read().split()
+    except (OSError, UnicodeDecodeError):
+        return f"has no digest recorded beside it ({_DIGEST_FILE}, written when lnlib is built)"
+    with open(path, "rb") as f:
+        actual = hashlib.sha256(f.read()).hexdigest()
+    if recorded != [actual, os.path.basename(path)]:
+        return (
+            f"does not match the digest recorded when it was built ({_DIGEST_FILE}): "
+            "damaged or replaced"
         )
-        end = max(phoff + phnum * phsize, shoff + shnum * shsize)
-        for i in range(phnum):  # the bytes each segment maps from the file
-            at = phoff + i * phsize
-            offset = struct.unpack_from(word, data, at + (8 if wide else 4))[0]
-            size = struct.unpack_from(word, data, at + (32 if wide else 16))[0]
-            end = max(end, offset + size)
-    except struct.error:  # not even the headers are there
-        return False
-    return len(data) >= end
+    return None
 
 
 def _module():
@@ -207,6 +212,15 @@ def _caller_level():
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def load_result():
+    """``(tried, module)``: whether the first load of the extension was tried, and the loaded
+    module (None before the try, or where it failed). Loads nothing: the selection point asks
+    this to know whether a choice it made can be kept."""
+    # _module() sets both in one dict update, under the GIL: "loaded" is never seen True
+    # with the module not yet in place
+    return _state["loaded"], _state["module"]
 
 
 def info():
@@ -417,6 +431,28 @@ def _writes_out(*results):
     return mark
 
 
+def _wider_dy(x, dy):
+    """float16 ``x`` with a float32 or float64 ``dy``: the float16 kernels take dy in float16,
+    and rounding it there would turn values beyond 65504 into inf and drop the low bits of
+    the others, while the other paths use dy in float32."""
+    return x.dtype == _F16 and dy.dtype != _F16
+
+
+def _as_f32(x):
+    """float16 rows converted (exactly) to float32: the rows the float16 kernels compute."""
+    return x.astype(np.float32)
+
+
+def _half_dx(dx, out):
+    """``dx`` of the float32 kernel rounded once to float16 (to nearest, ties to even, as the
+    float16 kernels round), into the ``out=`` array when one was given; no warning where a
+    value overflows to inf (the kernels do not warn either)."""
+    half = _take(out, 0, dx.shape, _F16)
+    with np.errstate(over="ignore"):
+        np.copyto(half, dx, casting="same_kind")
+    return half
+
+
 @_writes_out(0, 1, 2)
 def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     """LayerNorm forward of rows with the compiled kernel.
@@ -431,8 +467,8 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     eps : float
         Added to the variance.
     threads : int, optional
-        Chunks of rows run in this many threads (default: the cores available); the results
-        do not depend on it.
+        Chunks of rows run in this many threads (default: :func:`lnlib.get_num_threads`); the
+        results do not depend on it.
     out : tuple of (ndarray or None), optional
         Arrays to write ``y``, ``mean`` and ``rstd`` into (contiguous, of the result's shape
         and dtype, overlapping no input: the public functions check); None entries are
@@ -483,7 +519,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
     Parameters
     ----------
     dy, x : ndarray (M, D), float16, float32 or float64
-        Gradient of the output and the forward input (dtype of ``x``).
+        Gradient of the output and the forward input; ``dy`` is converted to the dtype of
+        ``x``, or to float32 for float16 ``x`` with a wider ``dy``.
     mean, rstd : ndarray (M,)
         From the forward; converted to the accumulation dtype (float32 for float16 ``x``,
         else the dtype of ``x``).
@@ -501,6 +538,11 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
     dweight, dbias : ndarray (D,), the accumulation dtype
         Column sums accumulated in float64 per block of rows, the blocks added pairwise.
     """
+    if _wider_dy(x, dy):
+        dx, dweight, dbias = layer_norm_backward_rows(
+            dy, _as_f32(x), mean, rstd, weight, threads=threads
+        )
+        return _half_dx(dx, out), dweight, dbias
     m, n = x.shape
     fn = _c_function("layer_norm_backward", x.dtype)
     x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]
@@ -583,6 +625,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     Parameters
     ----------
     dy, x : ndarray (M, D), float16, float32 or float64
+        As in :func:`layer_norm_backward_rows`.
     rstd : ndarray (M,)
         From the forward; converted to the accumulation dtype (float32 for float16 ``x``,
         else the dtype of ``x``).
@@ -598,6 +641,9 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     dx : ndarray (M, D), dtype of ``x``
     dweight : ndarray (D,), the accumulation dtype
     """
+    if _wider_dy(x, dy):
+        dx, dweight = rms_norm_backward_rows(dy, _as_f32(x), rstd, weight, threads=threads)
+        return _half_dx(dx, out), dweight
     m, n = x.shape
     fn = _c_function("rms_norm_backward", x.dtype)
     x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]

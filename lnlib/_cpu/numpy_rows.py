@@ -4,6 +4,12 @@ Each function takes rows ``(M, D)`` (any row stride) with the signature listed i
 :mod:`lnlib._backend`; ``weight``/``bias`` are flat ``(D,)`` vectors in the accumulation dtype
 or None. See :mod:`lnlib._rows` for the blocking and threading, and the book, chapter 5, for
 how each step was chosen.
+
+As on the kernel path: every sum over a row is one BLAS dot per block of :data:`ROW_BLOCK`
+elements with the blocks' sums added in float64 (:func:`row_dots`), so its rounding error does
+not grow with the row length; the variance (or mean square) plus ``eps``, its square root and
+reciprocal are computed in float64 and rounded once to ``rstd``; NaN and inf give NaN and inf
+in their rows' results without floating-point warnings.
 """
 
 import numpy as np
@@ -16,7 +22,65 @@ __all__ = [
     "layer_norm_backward_rows",
     "rms_norm_forward_rows",
     "rms_norm_backward_rows",
+    "row_dots",
 ]
+
+#: Elements per partial sum of a row in :func:`row_dots`: shorter rows are one dot each.
+ROW_BLOCK = 4096
+
+
+def row_dots(a, b, out):
+    """``out[i] = sum_j a[i, j] b[i, j]`` (or ``b[j]`` for a vector ``b``), in float64.
+
+    ``a`` (k, D) has contiguous rows (any row stride), ``b`` is of its shape or a ``(D,)``
+    vector, both of one dtype; ``out`` is a float64 ``(k,)`` array. A row is cut into blocks
+    of :data:`ROW_BLOCK` elements (the last one shorter), each block's sum is one BLAS dot
+    product in the dtype of ``a`` (a stacked ``np.matmul``, the same for a row wherever it
+    sits), and the blocks' sums are converted to float64 and added by one more dot, so the
+    order depends on the row length only. Within a block the dot's few partial sums hold
+    about a hundred elements each: one dot over a whole row of 2^24 float32 values put rstd
+    700 ulp off, these blocks under 1.
+    """
+    k, n = a.shape
+    vector = b.ndim == 1
+    nb, tail = divmod(n, ROW_BLOCK) if n > ROW_BLOCK else (0, n)
+    parts = np.empty((k, nb + (tail > 0)), dtype=a.dtype)  # (k, blocks)
+    if nb:
+        cut = nb * ROW_BLOCK
+        bb = b[:cut].reshape(nb, ROW_BLOCK, 1) if vector else b[:, :cut].reshape(k, nb, -1, 1)
+        np.matmul(
+            a[:, :cut].reshape(k, nb, 1, ROW_BLOCK), bb, out=parts[:, :nb].reshape(k, nb, 1, 1)
+        )
+    if tail:
+        bt = b[n - tail :, None] if vector else b[:, n - tail :, None]
+        np.matmul(a[:, None, n - tail :], bt, out=parts[:, nb:].reshape(k, 1, 1))
+    if parts.shape[1] == 1:
+        out[...] = parts[:, 0]
+    else:
+        wide = parts.astype(np.float64)  # (k, blocks)
+        np.matmul(wide[:, None, :], np.ones((wide.shape[1], 1)), out=out.reshape(-1, 1, 1))
+    return out
+
+
+def _rstd(sums, n, eps, rstd):
+    """``rstd = 1 / sqrt(sums / n + eps)`` in float64 (``sums`` is overwritten), rounded once
+    into ``rstd``: ``eps`` counts however small it is, as on the kernel path."""
+    sums /= n
+    sums += eps
+    np.sqrt(sums, out=sums)
+    np.divide(1, sums, out=rstd)
+
+
+def _quiet(chunk):
+    """``chunk`` run without floating-point warnings: NaN or inf in a row give NaN or inf in
+    its results, silently, as on the kernel path (the error state is per thread, so it is set
+    inside each chunk)."""
+
+    def run(start, stop, rows):
+        with np.errstate(all="ignore"):
+            return chunk(start, stop, rows)
+
+    return run
 
 
 def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=None):
@@ -24,8 +88,8 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=No
 
     Per block of rows, all on cache-resident data: the row sums, the sums of the deviations
     from that first mean (which correct it: the corrected two-pass algorithm) and the sums of
-    squared deviations from the corrected mean, each one BLAS dot product per row through a
-    stacked ``matmul`` (vectorised, with many partial sums); then
+    squared deviations from the corrected mean, each by :func:`row_dots` (BLAS dot products
+    through a stacked ``matmul``, one per block of a row, the blocks added in float64); then
     ``y = xc * (rstd outer weight) + bias``, computed in place in the output block: the outer
     product folds the two scalings into one pass, and the bias is tiled once per chunk so
     that its addition is a plain contiguous loop.
@@ -48,26 +112,23 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=No
         xbuf = np.empty((rows, n), dtype=acc)  # copy of a strided or float16 input block
         scale = None if weight is None else np.empty((rows, n), dtype=acc)  # rstd outer weight
         bt = _tile(bias, rows)
-        ones = np.ones((n, 1), dtype=acc)
-        delta = np.empty(rows, dtype=acc)
+        ones = np.ones(n, dtype=acc)
+        sums = np.empty(rows, dtype=np.float64)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, mu, r = slice(0, j - i), mean[i:j], rstd[i:j]
+            s = sums[b]
             xb = load_block(x[i:j], xbuf, acc)
-            np.matmul(xb[:, None, :], ones, out=mu.reshape(-1, 1, 1))
-            mu /= n
+            np.divide(row_dots(xb, ones, s), n, out=mu)
             c = y[i:j] if xc is None else xc[b]
             np.subtract(xb, mu[:, None], out=c)
             # Corrected two-pass: the deviations' own mean corrects the first mean's rounding.
-            np.matmul(c[:, None, :], ones, out=delta[b].reshape(-1, 1, 1))
-            delta[b] /= n
-            mu += delta[b]
+            row_dots(c, ones, s)
+            s /= n
+            s += mu
+            mu[...] = s
             np.subtract(xb, mu[:, None], out=c)
-            np.matmul(c[:, None, :], c[:, :, None], out=r.reshape(-1, 1, 1))
-            r /= n
-            r += eps
-            np.sqrt(r, out=r)
-            np.divide(1, r, out=r)
+            _rstd(row_dots(c, c, s), n, eps, r)
             if scale is None:
                 np.multiply(c, r[:, None], out=c)
             else:
@@ -78,7 +139,7 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=No
             if xc is not None:
                 np.copyto(y[i:j], c, casting="same_kind")
 
-    run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
+    run_chunks(m, n, _quiet(chunk), block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
     return y, mean, rstd
 
 
@@ -91,7 +152,7 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
     """Fast backward on matrices (M, D): returns dx (M, D), dweight (D,), dbias (D,).
 
     With ``xc = x - mean``, ``D = dy * xc`` and per-row dot products ``c1 = dy . weight`` and
-    ``c2 = D . weight`` (BLAS, one per row), the gradient is
+    ``c2 = D . weight`` (:func:`row_dots`), the gradient is
 
         dx = dy * (rstd outer weight) - xc * (rstd^3 c2 / D) - rstd c1 / D,
 
@@ -110,6 +171,7 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
         rows = max(1, min(rows, stop - start))
         xc, prod, xbuf, dybuf = (np.empty((rows, n), dtype=acc) for _ in range(4))
         c1, c2 = np.empty(rows, dtype=acc), np.empty(rows, dtype=acc)
+        sums = np.empty(rows, dtype=np.float64)
         dweight, dbias = [], []  # group sums, in row order
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
@@ -121,8 +183,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
             np.multiply(g, c, out=d)
             dweight += column_group_sums(d, r)
             dbias += column_group_sums(g)
-            np.matmul(g[:, None, :], w[:, None], out=c1[b].reshape(-1, 1, 1))
-            np.matmul(d[:, None, :], w[:, None], out=c2[b].reshape(-1, 1, 1))
+            c1[b] = row_dots(g, w, sums[b])
+            c2[b] = row_dots(d, w, sums[b])
             alpha, beta = c2[b], c1[b]
             alpha *= r
             alpha *= r
@@ -138,7 +200,9 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
                 np.copyto(dx[i:j], out, casting="same_kind")
         return dweight, dbias
 
-    parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
+    parts = run_chunks(
+        m, n, _quiet(chunk), block_rows=block_rows, threads=threads, itemsize=acc.itemsize
+    )
     return (
         dx,
         add_in_order((g for p in parts for g in p[0]), n),
@@ -149,8 +213,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
 def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None):
     """Fast forward on a matrix ``x`` (M, D): returns y (M, D) and rstd (M,).
 
-    Per block: the sums of squares as one BLAS dot product per row (stacked ``matmul``), then
-    ``y = x * (rstd outer weight)`` in one pass; see :func:`layer_norm_forward_rows`.
+    Per block: the sums of squares by :func:`row_dots`, then ``y = x * (rstd outer weight)``
+    in one pass; see :func:`layer_norm_forward_rows`.
     """
     m, n = x.shape
     acc = accumulation_dtype(x.dtype)
@@ -161,15 +225,12 @@ def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None):
         rows = max(1, min(rows, stop - start))
         xbuf = np.empty((rows, n), dtype=acc)
         tmp = np.empty_like(xbuf)
+        sums = np.empty(rows, dtype=np.float64)
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
             b, r = slice(0, j - i), rstd[i:j]
             xb = load_block(x[i:j], xbuf, acc)
-            np.matmul(xb[:, None, :], xb[:, :, None], out=r.reshape(-1, 1, 1))
-            r /= n
-            r += eps
-            np.sqrt(r, out=r)
-            np.divide(1, r, out=r)
+            _rstd(row_dots(xb, xb, sums[b]), n, eps, r)
             out = y[i:j] if y.dtype == acc else tmp[b]
             if weight is None:
                 np.multiply(xb, r[:, None], out=out)
@@ -179,7 +240,7 @@ def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None):
             if y.dtype != acc:
                 np.copyto(y[i:j], out, casting="same_kind")
 
-    run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
+    run_chunks(m, n, _quiet(chunk), block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
     return y, rstd
 
 
@@ -198,6 +259,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
         rows = max(1, min(rows, stop - start))
         prod, xbuf, dybuf, scaled = (np.empty((rows, n), dtype=acc) for _ in range(4))
         c = np.empty(rows, dtype=acc)
+        sums = np.empty(rows, dtype=np.float64)
         dweight = []  # group sums, in row order
         for i in range(start, stop, rows):
             j = min(i + rows, stop)
@@ -207,7 +269,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
             d = prod[b]
             np.multiply(g, xb, out=d)
             dweight += column_group_sums(d, r)
-            np.matmul(d[:, None, :], w[:, None], out=c[b].reshape(-1, 1, 1))
+            c[b] = row_dots(d, w, sums[b])
             alpha = c[b]
             alpha *= r
             alpha *= r
@@ -221,5 +283,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
                 np.copyto(dx[i:j], out, casting="same_kind")
         return dweight
 
-    parts = run_chunks(m, n, chunk, block_rows=block_rows, threads=threads, itemsize=acc.itemsize)
+    parts = run_chunks(
+        m, n, _quiet(chunk), block_rows=block_rows, threads=threads, itemsize=acc.itemsize
+    )
     return dx, add_in_order((g for p in parts for g in p), n)

@@ -11,8 +11,10 @@ The extension is optional: without a C compiler the build only warns, the packag
 without it and lnlib runs its NumPy path (``lnlib._cpu.kernels.info()`` says why).
 
 Run ``python lnlib/kernels/build_norms.py`` from the repository root to build it in place.
+Either way the module's sha256 is recorded beside it (:func:`record_digest`).
 """
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 MODULE = "lnlib._cpu._norms"
+#: The file beside the built module that holds its sha256 (``lnlib._cpu.kernels`` reads it).
+DIGEST_FILE = "_norms.sha256"
 #: -ffp-contract=off: no fused multiply-add, each operation rounds as written, so results do
 #: not depend on the CPU; no -march for the same reason; -fno-math-errno lets sqrt inline.
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
@@ -29,6 +33,19 @@ def declarations(header=HERE / "norms.h"):
     """The C declarations of ``header`` without its preprocessor lines (cffi reads plain C)."""
     lines = Path(header).read_text().splitlines()
     return "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+
+
+def record_digest(library):
+    """Write the sha256 of the built module ``library`` beside it, in :data:`DIGEST_FILE`, as
+    ``<hex digest>  <file name>`` (the format of ``sha256sum``).
+
+    lnlib checks the module against it before loading it, and falls back to its NumPy path on
+    a mismatch: a damaged library can kill the process inside ``dlopen``, before any Python
+    check of what it loaded could run.
+    """
+    library = Path(library)
+    digest = hashlib.sha256(library.read_bytes()).hexdigest()
+    (library.parent / DIGEST_FILE).write_text(f"{digest}  {library.name}\n")
 
 
 def _relative(path):
@@ -58,4 +75,4 @@ ffibuilder.set_source(
 )
 
 if __name__ == "__main__":
-    ffibuilder.compile(verbose=True)
+    record_digest(ffibuilder.compile(verbose=True))
