@@ -62,7 +62,7 @@ def check_forward(fn: Callable[..., Any]) -> CheckResult:
 
     Cases: the worked example, a random batch, three dimensions, a constant row (whose
     output is ``bias``), a single feature, two large means (the second, 1e6, rejects the
-    one-pass variance ``E[x^2] - mu^2``), and a different ``eps``. Arrays are
+    one-pass variance ``mean(x*x) - mean(x)**2``), and a different ``eps``. Arrays are
     float64 and the output must be float64 with the shape of ``x``.
     """
     rng = _rng()
@@ -89,10 +89,10 @@ def check_forward(fn: Callable[..., Any]) -> CheckResult:
             "a large mean: 1e4 + N(0, 1)",
             (1e4 + rng.normal(size=(3, 32)), np.ones(32), np.zeros(32)),
         ),
-        # In float64 the one-pass variance E[x^2] - mu^2 errs by about u (mu/sigma)^2,
+        # In float64 the one-pass variance mean(x*x) - mean(x)**2 errs by about u (mu/sigma)^2,
         # 1e-4 here: far outside rtol, while two passes stay at 1e-10.
         Case(
-            "a very large mean: 1e6 + N(0, 1), where E[x^2] - mu^2 cancels",
+            "a very large mean: 1e6 + N(0, 1), where mean(x*x) - mean(x)**2 cancels",
             (1e6 + rng.normal(size=(3, 32)), np.ones(32), np.zeros(32)),
         ),
         Case(
@@ -223,7 +223,9 @@ def check_backward(fn: Callable[..., Any]) -> CheckResult:
 
 
 def one_pass_variance(x: np.ndarray) -> np.ndarray:
-    r"""Variance of the last axis by the one-pass formula :math:`E[x^2] - E[x]^2`, in x's dtype.
+    r"""Variance of the last axis by the one-pass formula :math:`\overline{x^2} - \mu^2`.
+
+    Computed in x's dtype.
 
     Shown in the book only to be avoided: it cancels catastrophically when the mean is large
     compared with the spread. For float32 input every step is done in float32.
@@ -232,7 +234,7 @@ def one_pass_variance(x: np.ndarray) -> np.ndarray:
 
 
 def two_pass_variance(x: np.ndarray) -> np.ndarray:
-    r"""Variance of the last axis by two passes, :math:`E[(x - E[x])^2]`, in x's dtype."""
+    r"""Variance of the last axis by two passes, :math:`\overline{(x - \mu)^2}`, in x's dtype."""
     d = x - x.mean(axis=-1, keepdims=True)
     return (d * d).mean(axis=-1)
 

@@ -82,7 +82,7 @@ def test_one_pass_variance_fails_on_the_very_large_mean():
 
     result = ch02.check_forward(one_pass)
     assert [f.description for f in result.failures] == [
-        "a very large mean: 1e6 + N(0, 1), where E[x^2] - mu^2 cancels"
+        "a very large mean: 1e6 + N(0, 1), where mean(x*x) - mean(x)**2 cancels"
     ]
 
 
