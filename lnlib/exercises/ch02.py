@@ -61,7 +61,8 @@ def check_forward(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x, weight, bias, eps=1e-5) -> y``, LayerNorm over the last axis of ``x``.
 
     Cases: the worked example, a random batch, three dimensions, a constant row (whose
-    output is ``bias``), a single feature, a large mean, and a different ``eps``. Arrays are
+    output is ``bias``), a single feature, two large means (the second, 1e6, rejects the
+    one-pass variance ``mean(x*x) - mean(x)**2``), and a different ``eps``. Arrays are
     float64 and the output must be float64 with the shape of ``x``.
     """
     rng = _rng()
@@ -87,6 +88,12 @@ def check_forward(fn: Callable[..., Any]) -> CheckResult:
         Case(
             "a large mean: 1e4 + N(0, 1)",
             (1e4 + rng.normal(size=(3, 32)), np.ones(32), np.zeros(32)),
+        ),
+        # In float64 the one-pass variance mean(x*x) - mean(x)**2 errs by about u (mu/sigma)^2,
+        # 1e-4 here: far outside rtol, while two passes stay at 1e-10.
+        Case(
+            "a very large mean: 1e6 + N(0, 1), where mean(x*x) - mean(x)**2 cancels",
+            (1e6 + rng.normal(size=(3, 32)), np.ones(32), np.zeros(32)),
         ),
         Case(
             "eps = 0.5 passed as a keyword",
@@ -216,7 +223,9 @@ def check_backward(fn: Callable[..., Any]) -> CheckResult:
 
 
 def one_pass_variance(x: np.ndarray) -> np.ndarray:
-    r"""Variance of the last axis by the one-pass formula :math:`E[x^2] - E[x]^2`, in x's dtype.
+    r"""Variance of the last axis by the one-pass formula :math:`\overline{x^2} - \mu^2`.
+
+    Computed in x's dtype.
 
     Shown in the book only to be avoided: it cancels catastrophically when the mean is large
     compared with the spread. For float32 input every step is done in float32.
@@ -225,7 +234,7 @@ def one_pass_variance(x: np.ndarray) -> np.ndarray:
 
 
 def two_pass_variance(x: np.ndarray) -> np.ndarray:
-    r"""Variance of the last axis by two passes, :math:`E[(x - E[x])^2]`, in x's dtype."""
+    r"""Variance of the last axis by two passes, :math:`\overline{(x - \mu)^2}`, in x's dtype."""
     d = x - x.mean(axis=-1, keepdims=True)
     return (d * d).mean(axis=-1)
 
@@ -234,7 +243,8 @@ def check_naive_failure(row: Any, *, min_error: float = 0.1) -> CheckResult:
     """Check that ``row`` is a float32 vector on which the one-pass variance fails.
 
     The row passes when it is a finite, non-constant float32 vector of length at least 2 whose
-    squares stay finite, the one-pass float32 variance (:func:`one_pass_variance`) is off by a
+    squares and their sum stay finite (so that the failure is cancellation, not overflow), the
+    one-pass float32 variance (:func:`one_pass_variance`) is off by a
     relative error of at least ``min_error`` (10 % by default) from the exact variance of the
     same float32 numbers (computed in float64), and the two-pass float32 variance is within
     1e-3 of it.
@@ -270,7 +280,13 @@ def _naive_failure_reason(row: Any, min_error: float) -> str | None:
     exact = float(np.var(row.astype(np.float64)))
     if exact == 0.0:
         return "the row is constant, so its variance is exactly 0 and there is nothing to miss"
-    naive = float(one_pass_variance(row))
+    with np.errstate(over="ignore", invalid="ignore"):
+        naive = float(one_pass_variance(row))
+    if not np.isfinite(naive):
+        return (
+            "the sum of the squares overflows float32, so the one-pass variance is "
+            f"{naive}: that is overflow, not cancellation; use smaller values"
+        )
     two = float(two_pass_variance(row))
     err_naive = abs(naive - exact) / exact
     err_two = abs(two - exact) / exact

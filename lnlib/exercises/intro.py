@@ -23,10 +23,16 @@ def _standardize_cases() -> list[Case]:
         Case("a 3-D input (batch, tokens, features)", (rng.normal(size=(2, 3, 5)),)),
         Case("eps given as a keyword", (rng.normal(size=(2, 3)) * 0.1,), {"eps": 0.01}),
         Case(
-            "float32 rows with mean 1000 and spread 1: the dtype must stay float32",
+            "float32 rows with mean 1000 and spread 1, where mean(x*x) - mean(x)**2 cancels",
             ((1000 + rng.normal(size=(2, 64))).astype(np.float32),),
             rtol=1e-3,
             atol=1e-3,
+        ),
+        # The same cancellation in float64, so that mean(x*x) - mean(x)**2 fails in any dtype:
+        # its relative error is about u (mean/spread)^2 = 1.1e-16 * 1e16, of order 1.
+        Case(
+            "float64 rows with mean 1e8 and spread 1, where mean(x*x) - mean(x)**2 cancels",
+            (1e8 + rng.normal(size=(2, 64)),),
         ),
     ]
 
@@ -35,7 +41,9 @@ def check_standardize(standardize) -> CheckResult:
     """Check ``standardize(x, eps=1e-5)``: each row (last axis) to mean 0, variance 1.
 
     The answer must use the biased variance with ``eps`` inside the square root, keep
-    the input's shape and dtype, and leave ``x`` unchanged.
+    the input's shape and dtype, and leave ``x`` unchanged. Two cases (float32 with mean
+    1000, float64 with mean 1e8, both with spread 1) reject the one-pass variance
+    ``mean(x*x) - mean(x)**2``, whether it is computed in the input's dtype or in float64.
     """
     return check(
         standardize,

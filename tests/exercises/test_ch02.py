@@ -74,6 +74,18 @@ def test_eps_outside_the_square_root_fails_only_where_eps_matters():
     assert any("eps = 0.5" in f.description for f in result.failures)
 
 
+def test_one_pass_variance_fails_on_the_very_large_mean():
+    def one_pass(x, weight, bias, eps=1e-5):
+        mean = x.mean(axis=-1, keepdims=True)
+        var = (x * x).mean(axis=-1, keepdims=True) - mean**2
+        return (x - mean) / np.sqrt(var + eps) * weight + bias
+
+    result = ch02.check_forward(one_pass)
+    assert [f.description for f in result.failures] == [
+        "a very large mean: 1e6 + N(0, 1), where mean(x*x) - mean(x)**2 cancels"
+    ]
+
+
 def test_normalizing_the_wrong_axis_fails():
     def wrong_axis(x, weight, bias, eps=1e-5):
         mean = x.mean(axis=0, keepdims=True)
@@ -125,6 +137,8 @@ def test_naive_failure_accepts_a_large_mean():
         (np.array([1.0, 2.0, 3.0], dtype=np.float32), "must be off by at least"),
         (np.full(4, 7.0, dtype=np.float32), "constant"),
         (np.array([1e20, 2e20], dtype=np.float32), "overflow"),
+        # finite squares whose sum overflows: mu/sigma = 27, no cancellation to speak of
+        (np.array([1.3e19, 1.3e19, 1.2e19], dtype=np.float32), "not cancellation"),
         (np.array([[1e4, 1e4 + 1]], dtype=np.float32), "1-d row"),
         (np.array([1.0, np.nan], dtype=np.float32), "NaN"),
     ],

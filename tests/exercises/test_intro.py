@@ -21,7 +21,21 @@ def test_naive_variance_fails_on_float32_with_large_mean():
         return (x - mean) / np.sqrt(var + eps)
 
     result = intro.check_standardize(naive)
-    assert [f.index for f in result.failures] == [7]
+    assert [f.index for f in result.failures] == [7, 8]
+
+
+def test_naive_variance_in_float64_fails_on_the_float64_case():
+    # E[x^2] - E[x]^2 computed in float64 and cast back survives float32 inputs with mean
+    # 1000 (relative error about 1e-10); the float64 case with mean 1e8 catches it.
+    def naive64(x, eps=1e-5):
+        z = x.astype(np.float64)
+        mean = z.mean(axis=-1, keepdims=True)
+        var = (z * z).mean(axis=-1, keepdims=True) - mean**2
+        return ((z - mean) / np.sqrt(var + eps)).astype(x.dtype)
+
+    result = intro.check_standardize(naive64)
+    assert [f.index for f in result.failures] == [8]
+    assert "cancels" in result.failures[0].description
 
 
 def test_unbiased_variance_and_eps_outside_fail():
