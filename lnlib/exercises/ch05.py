@@ -10,7 +10,7 @@ checker                             the reader writes
 :func:`check_merge`                 ``fn(n_a, mean_a, m2_a, n_b, mean_b, m2_b) -> (n, mean, m2)``
 :func:`check_welford`               ``fn(x) -> (mean, var)``, one pass over the last axis
 :func:`check_backward_from_output`  ``fn(dy, y, rstd, weight, bias) -> dx``
-:func:`check_min_time`              ``fn(M, H, itemsize, bandwidth_GBps, backward=False) -> s``
+:func:`check_min_time`              ``fn(B, D, itemsize, bandwidth_GBps, backward=False) -> s``
 :func:`check_sharded_rms_rstd`      ``fn(shards, eps) -> rstd`` of RMSNorm over sharded rows
 :func:`check_lane_sum`              ``fn(x, lanes=16) -> sums``, in the kernel's lane order
 ==================================  ===================================================
@@ -138,7 +138,7 @@ def _ref_backward_from_output(dy, y, rstd, weight, bias):
 def check_backward_from_output(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(dy, y, rstd, weight, bias) -> dx``: the LayerNorm input gradient computed
     from the forward's *output* ``y`` (and ``rstd``), without ``x`` or ``mean``. Arrays are
-    float64, shapes (N, H) for ``dy`` and ``y``, (N,) for ``rstd``, (H,) for the parameters;
+    float64, shapes (B, D) for ``dy`` and ``y``, (B,) for ``rstd``, (D,) for the parameters;
     ``weight`` has no zero entry.
     """
     rng = _rng()
@@ -146,7 +146,7 @@ def check_backward_from_output(fn: Callable[..., Any]) -> CheckResult:
     for desc, shape, shift in [
         ("a (4, 8) batch", (4, 8), 0.0),
         ("a (3, 64) batch with a large mean", (3, 64), 100.0),
-        ("one feature, H = 1", (3, 1), 0.0),
+        ("one feature, D = 1", (3, 1), 0.0),
     ]:
         x = rng.normal(shift, 2.0, size=shape)
         weight = rng.choice([-1.0, 1.0], size=shape[1]) * rng.uniform(0.5, 2.0, size=shape[1])
@@ -174,15 +174,15 @@ def check_backward_from_output(fn: Callable[..., Any]) -> CheckResult:
 # -------------------------------------------------------- exercise: the roofline bound
 
 
-def _ref_min_time(M, H, itemsize, bandwidth_GBps, backward=False):
-    elements = (5 if backward else 2) * M * H
+def _ref_min_time(B, D, itemsize, bandwidth_GBps, backward=False):
+    elements = (5 if backward else 2) * B * D
     return elements * itemsize / (bandwidth_GBps * 1e9)
 
 
 def check_min_time(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(M, H, itemsize, bandwidth_GBps, backward=False) -> seconds``: the least
-    time a LayerNorm over an (M, H) array can take when it only has to move its data at the
-    given bandwidth (1 GB = 1e9 bytes). Count the arrays of M x H elements only: the forward
+    """Check ``fn(B, D, itemsize, bandwidth_GBps, backward=False) -> seconds``: the least
+    time a LayerNorm over a (B, D) array can take when it only has to move its data at the
+    given bandwidth (1 GB = 1e9 bytes). Count the arrays of B x D elements only: the forward
     reads ``x`` and writes ``y``; with ``backward=True``, the forward and then the backward,
     which reads ``dy`` and ``x`` and writes ``dx``.
     """
