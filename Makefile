@@ -15,7 +15,7 @@ NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
 # Same options for authors and CI. nbval is strict (--nbval, not --nbval-lax): every
 # stored output is compared, except what tools/nbval_sanitize.cfg masks (addresses, timings,
-# figures) and cells marked NBVAL_IGNORE_OUTPUT.
+# figures) and cells tagged nbval-ignore-output (tools/nbval_tags.py).
 NBVAL_OPTS := --nbval --nbval-sanitize-with tools/nbval_sanitize.cfg \
               --nbval-current-env --nbval-cell-timeout 120 -p no:cacheprovider
 NBVAL      := $(BIN)/python -m pytest $(NBVAL_OPTS) $(NOTEBOOKS) -q
