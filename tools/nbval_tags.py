@@ -97,7 +97,8 @@ def marked_cells(nb: nbformat.NotebookNode) -> list[int]:
     return [
         i
         for i, cell in enumerate(nb.cells)
-        if cell.cell_type == "code" and any(MARKER_PREFIX.match(l) for l in cell.source.splitlines())
+        if cell.cell_type == "code"
+        and any(MARKER_PREFIX.match(line) for line in cell.source.splitlines())
     ]
 
 

@@ -82,9 +82,7 @@ def test_the_command_rewrites_only_notebooks_with_markers(tmp_path, capsys):
     assert main([str(marked), str(clean)]) == 0
     assert clean.read_bytes() == clean_bytes
     assert main(["--check", str(marked), str(clean)]) == 0
-    assert nbformat.read(marked, as_version=4).cells[1].metadata["tags"] == [
-        "nbval-ignore-output"
-    ]
+    assert nbformat.read(marked, as_version=4).cells[1].metadata["tags"] == ["nbval-ignore-output"]
     assert main([str(tmp_path / "missing.ipynb")]) == 2
     assert "not a notebook file" in capsys.readouterr().err
 
