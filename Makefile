@@ -2,7 +2,8 @@
 #   make book   build the book into _build/html (strict: zero warnings)
 #   make test   run every test: lnlib unit tests, nbval on every notebook (plain, with
 #               torch's AVX2 kernels and with one thread), the strict book build and
-#               the offline-math browser test (needs Chromium: installed when root)
+#               the browser tests of tests/book (offline maths; every page at 400 px and
+#               1280 px: tests/book/test_phone.py; need Chromium: installed when root)
 # Both create .venv (python3.11) and install requirements/lock.txt + lnlib when needed.
 
 PYTHON  ?= python3.11
@@ -17,7 +18,7 @@ NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
 # Same options for authors and CI. nbval is strict (--nbval, not --nbval-lax): every
 # stored output is compared, except what tools/nbval_sanitize.cfg masks (addresses, timings,
-# figures) and cells marked NBVAL_IGNORE_OUTPUT.
+# figures) and cells tagged nbval-ignore-output (tools/nbval_tags.py).
 NBVAL_OPTS := --nbval --nbval-sanitize-with tools/nbval_sanitize.cfg \
               --nbval-current-env --nbval-cell-timeout 120 -p no:cacheprovider
 NBVAL      := $(BIN)/python -m pytest $(NBVAL_OPTS) $(NOTEBOOKS) -q

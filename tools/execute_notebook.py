@@ -8,6 +8,9 @@ book build and nbval run it), with a fixed hash seed. Execution counts are renum
 1, transient metadata is dropped and the kernelspec is fixed, so re-executing an unchanged
 notebook gives an identical file (and a clean git diff). The time each notebook takes is
 printed: the house rule is under 60 s on a 2-core machine.
+
+nbval's comment markers (``# NBVAL_IGNORE_OUTPUT``) are moved into cell tags first
+(tools/nbval_tags.py), so that readers of the book do not see them in the code.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
+from nbval_tags import convert as move_nbval_markers
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 TIMEOUT_S = 120
@@ -53,6 +57,7 @@ def normalise(nb: nbformat.NotebookNode) -> None:
 
 def execute(path: Path) -> float:
     nb = nbformat.read(path, as_version=4)
+    move_nbval_markers(nb, str(path))
     nb.metadata["kernelspec"] = KERNELSPEC
     os.environ["PYTHONHASHSEED"] = "0"
     client = NotebookClient(

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import functools
 import http.server
-import shutil
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
 import pytest
+from cdp import CHROMIUM_OFFLINE_FLAGS, chromium_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 HTML = ROOT / "_build" / "html"
@@ -41,37 +41,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def chromium_binary() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail("Chromium is not installed: `apt-get install chromium` (.ci/run does this)")
-
-
 def run_chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Headless Chromium with every address but 127.0.0.1 unreachable."""
     with tempfile.TemporaryDirectory() as profile:
-        cmd = [
-            chromium_binary(),
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-extensions",
-            f"--user-data-dir={profile}",
-            # No network: names other than 127.0.0.1 do not resolve, and whatever
-            # would still go out is sent to a closed local port instead.
-            "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-            "--proxy-server=http://127.0.0.1:9",
-            "--proxy-bypass-list=127.0.0.1",
-            *args,
-        ]
+        cmd = [chromium_binary(), *CHROMIUM_OFFLINE_FLAGS, f"--user-data-dir={profile}", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
