@@ -7,7 +7,7 @@ line that says PASS or what is wrong, and returns a :class:`~lnlib.exercises.Che
 =================================  =====================================================
 checker                            the reader writes
 =================================  =====================================================
-:func:`check_invariant_shift`      a non-constant vector ``b`` with LN(x + b) = LN(x)
+:func:`check_invariant_shift`      a non-constant vector ``v`` with LN(x + v) = LN(x)
 :func:`check_jacobian_spectrum`    ``fn(x, eps=1e-5) -> eigenvalues`` of J, without J
 :func:`check_weight_grad`          ``fn(W, x, dy, eps=1e-6) -> dW`` for y = RMSNorm(x W^T)
 :func:`check_next_sq_norm`         ``fn(sq_norm, grad_sq_norm, lr, wd) -> sq_norm``
@@ -65,12 +65,12 @@ def _result(name: str, reason: str | None, pass_message: str) -> CheckResult:
 
 
 def check_invariant_shift(b: Any) -> CheckResult:
-    """Check that ``b`` is a non-constant vector with LN(x + b) = LN(x) at eps = 0.
+    """Check that ``b`` (the chapter's vector :math:`v`) is non-constant with LN(x + v) = LN(x).
 
-    ``x`` is :data:`SHIFT_EXAMPLE`. ``b`` passes when it is a finite float64 array of shape
-    (4,) whose entries are not all equal and LN(x + b) equals LN(x) to 1e-9 with eps = 0.
+    ``x`` is :data:`SHIFT_EXAMPLE` and eps = 0. ``b`` passes when it is a finite float64 array
+    of shape (4,) whose entries are not all equal and LN(x + v) equals LN(x) to 1e-9.
     """
-    return _result("invariant shift", _shift_reason(b), "b is not constant and LN(x + b) = LN(x).")
+    return _result("invariant shift", _shift_reason(b), "v is not constant and LN(x + v) = LN(x).")
 
 
 def _shift_reason(b: Any) -> str | None:
@@ -80,25 +80,25 @@ def _shift_reason(b: Any) -> str | None:
     if b.shape != x.shape or b.dtype != np.float64:
         return f"expected a float64 array of shape {x.shape}, got {b.dtype} of shape {b.shape}"
     if not np.all(np.isfinite(b)):
-        return "b contains NaN or inf"
+        return "v contains NaN or inf"
     if np.ptp(b) <= 1e-9 * max(1.0, float(np.abs(b).max())):
         return (
-            "b is constant: adding the same number to every feature leaves LN unchanged "
-            "for every eps, but the exercise asks for a b that is not constant"
+            "v is constant: adding the same number to every feature leaves LN unchanged "
+            "for every eps, but the exercise asks for a v that is not constant"
         )
     want = reference.layer_norm_forward(x, eps=0.0)[0]
     with np.errstate(all="ignore"):
         got = reference.layer_norm_forward(x + b, eps=0.0)[0]
     if np.ptp(x + b) == 0.0:
-        return "x + b is constant, so LN(x + b) is 0/0 at eps = 0"
+        return "x + v is constant, so LN(x + v) is 0/0 at eps = 0"
     err = float(np.max(np.abs(got - want)))
     if err > 1e-9:
         hint = (
-            "LN(x + b) = -LN(x): x + b is a negative multiple of x, up to a constant"
+            "LN(x + v) = -LN(x): x + v is a negative multiple of x, up to a constant"
             if np.allclose(got, -want, atol=1e-9)
-            else "which directions of x does LN ignore? Think of x + b = a x + c 1"
+            else "which directions of x does LN ignore? Think of x + v = rho x + nu 1"
         )
-        return f"LN(x + b) differs from LN(x) by up to {err:.3g}; {hint}"
+        return f"LN(x + v) differs from LN(x) by up to {err:.3g}; {hint}"
     return None
 
 
@@ -318,11 +318,14 @@ def check_batch_invariant_sum(fn: Callable[..., Any]) -> CheckResult:
 
     ``x`` is a float32 array of shape (N, D); the result must be float32 of shape (N,), each
     entry within 1e-4 (relative to the sum of absolute values) of the exact row sum, and
-    bitwise the same for a row alone, in batches of 2 to 200 rows and at any position.
+    bitwise the same as in one batch of 2100 rows for a row alone, in every batch of 2 to 64
+    rows, in batches on both sides of every power of two up to 2048 (127, 128, 129, ...),
+    and at several positions. A checker can only sample batch sizes: a function that changes
+    its order at a size not tried here (say 1700 rows) still passes, and is still wrong.
     """
     name = getattr(fn, "__name__", "batch-invariant sum")
     rng = np.random.default_rng(7)
-    x = (1.0 + rng.standard_normal((200, 512))).astype(np.float32)  # (200, 512)
+    x = (1.0 + rng.standard_normal((2100, 512))).astype(np.float32)  # (2100, 512)
     return _result(
         name,
         _invariance_reason(fn, x),
@@ -345,6 +348,16 @@ def _call_sum(fn, x):
     return got, None
 
 
+#: (start, size) of the batches compared with the full batch: a row alone at two positions,
+#: every size from 2 to 64, and the sizes on both sides of each power of two up to 2048.
+_BATCHES = (
+    [(0, 1), (5, 1), (1999, 1)]
+    + [(3 * size % 50, size) for size in range(2, 65)]
+    + [(7, n) for k in range(7, 12) for n in (2**k - 1, 2**k, 2**k + 1)]
+    + [(11, 1000), (2, 1500)]
+)
+
+
 def _invariance_reason(fn, x) -> str | None:
     full, reason = _call_sum(fn, x)
     if reason:
@@ -354,7 +367,7 @@ def _invariance_reason(fn, x) -> str | None:
     if err.max() > 1e-4:
         i = int(err.argmax())
         return f"row {i}: sum {full[i]:.7g}, exact {exact[i]:.7g} (relative error {err[i]:.2g})"
-    for start, size in [(0, 1), (5, 1), (0, 2), (10, 7), (31, 31), (100, 32), (3, 64)]:
+    for start, size in _BATCHES:
         part, reason = _call_sum(fn, x[start : start + size])
         if reason:
             return f"on {size} rows: {reason}"

@@ -131,6 +131,32 @@ def test_batch_invariant_sum():
     assert not result.passed and "relative error" in result.message
 
 
+def _split_below(threshold):
+    """split_row_sum with its threshold moved: a choice made from N that few sizes reveal."""
+
+    def row_sum(x):
+        if x.shape[0] >= threshold:
+            return fixed_order_sum(x)
+        n, d = x.shape
+        return fixed_order_sum(fixed_order_sum(x.reshape(n, 4, d // 4)))
+
+    return row_sum
+
+
+def _reversed_for_three_rows(x):
+    """Left to right, except right to left for a batch of exactly 3 rows."""
+    return fixed_order_sum(x[:, ::-1] if x.shape[0] == 3 else x)
+
+
+@pytest.mark.parametrize(
+    "fn", [_split_below(256), _split_below(1025), _split_below(3), _reversed_for_three_rows]
+)
+def test_batch_invariant_sum_rejects_orders_chosen_from_n(fn):
+    """The chapter warns against any choice made from N, also at sizes a few tests miss."""
+    result = ch03.check_batch_invariant_sum(fn)
+    assert not result.passed and "order of the additions" in result.message
+
+
 def test_split_row_sum_is_exact_ieee_and_depends_on_the_batch_size():
     """The demonstration reduction differs between small and large batches on some rows, and
     each of its two orders is the plain sequential float32 sum of its pieces."""
