@@ -95,7 +95,7 @@ def _ref_residual_block(x, f, placement, eps=1e-5):
 def check_residual_block(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x, f, placement, eps=1e-5) -> y``: one residual block, three placements.
 
-    ``x`` has shape (N, D) and ``f`` maps (N, D) to (N, D). With ``LN`` a LayerNorm without
+    ``x`` has shape (B, D) and ``f`` maps (B, D) to (B, D). With ``LN`` a LayerNorm without
     gain or bias (:func:`lnlib.layer_norm`) over the last axis, ``placement`` is ``"post"``:
     ``LN(x + f(x))``; ``"pre"``: ``x + f(LN(x))``; ``"peri"``: ``x + LN(f(LN(x)))``. Any
     other placement raises ValueError.
@@ -248,8 +248,8 @@ def _ref_outlier_features(x, factor=6.0):
 def check_outlier_features(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x, factor=6.0) -> indices``: features whose RMS is far above the median.
 
-    ``x`` has shape (N, D): N activation vectors (tokens) entering a norm. The root mean
-    square of feature ``i`` over the N rows is compared with the median of these D values;
+    ``x`` has shape (T, D): T activation vectors (tokens) entering a norm. The root mean
+    square of feature ``i`` over the T rows is compared with the median of these D values;
     the result is the sorted int64 array of the features whose RMS exceeds ``factor`` times
     that median (empty when there is none).
     """
@@ -261,6 +261,11 @@ def check_outlier_features(fn: Callable[..., Any]) -> CheckResult:
     one_token[0, 5] = 400.0  # one huge value in one feature is enough for its RMS
     shifted = x.copy()
     shifted[:, 9] += 30.0  # a large mean, not a large spread, also counts
+    many = x.copy()
+    many[:, :8] *= 5.0  # a quarter of the features large: they lift the mean RMS, not the median
+    peak = x.copy()
+    peak[:, 4] *= 3.0  # large values throughout, but an RMS under 2.5 times the median
+    peak[0, 11] = 20.0  # one large value: RMS over 2.5 times the median, mean |x| not
     cases = [
         Case("no outliers", (x,)),
         Case("two outlier features, 20 times larger", (spiky,)),
@@ -268,6 +273,16 @@ def check_outlier_features(fn: Callable[..., Any]) -> CheckResult:
         Case("a feature with a large mean (RMS, not standard deviation)", (shifted,)),
         Case("factor = 25 passed as a keyword (nothing is that large)", (spiky,), {"factor": 25.0}),
         Case("float32 input", (spiky.astype(np.float32),)),
+        Case(
+            "eight outlier features, factor = 3 (the median, not the mean, of the RMS)",
+            (many,),
+            {"factor": 3.0},
+        ),
+        Case(
+            "factor = 2.5 (the RMS, not the mean or the largest |x|)",
+            (peak,),
+            {"factor": 2.5},
+        ),
     ]
     return check(fn, _ref_outlier_features, cases, name=_name(fn, "outlier_features"))
 

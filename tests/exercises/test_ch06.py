@@ -118,7 +118,28 @@ def test_standard_deviation_instead_of_rms_misses_the_shifted_feature():
         return np.nonzero(s > factor * np.median(s))[0].astype(np.int64)
 
     result = ch06.check_outlier_features(by_std)
-    assert [f.index for f in result.failures] == [4]
+    assert [f.index for f in result.failures] == [4, 8]
+
+
+def test_mean_threshold_mean_abs_and_max_abs_fail():
+    # The median is the point: one group of large features lifts the mean of the RMS values.
+    def mean_threshold(x, factor=6.0):
+        rms = np.sqrt((x.astype(np.float64) ** 2).mean(axis=0))
+        return np.nonzero(rms > factor * rms.mean())[0].astype(np.int64)
+
+    def by_mean_abs(x, factor=6.0):
+        a = np.abs(x.astype(np.float64)).mean(axis=0)
+        return np.nonzero(a > factor * np.median(a))[0].astype(np.int64)
+
+    def by_max_abs(x, factor=6.0):
+        a = np.abs(x.astype(np.float64)).max(axis=0)
+        return np.nonzero(a > factor * np.median(a))[0].astype(np.int64)
+
+    for wrong in (mean_threshold, by_mean_abs, by_max_abs):
+        assert not ch06.check_outlier_features(wrong), wrong.__name__
+    assert 7 in [f.index for f in ch06.check_outlier_features(mean_threshold).failures]
+    assert 8 in [f.index for f in ch06.check_outlier_features(by_mean_abs).failures]
+    assert 8 in [f.index for f in ch06.check_outlier_features(by_max_abs).failures]
 
 
 def test_columns_scaled_instead_of_rows_fail():
