@@ -33,20 +33,31 @@ TARGET = "lnlib"  # latex.latex_documents.targetname in _config.yml, without .te
 LOG_ERRORS = [
     (re.compile(r"LaTeX Warning: (Reference|Hyper reference) `"), "undefined reference"),
     (re.compile(r"LaTeX Warning: Citation `"), "undefined citation"),
-    (re.compile(r"LaTeX Warning: There were undefined (references|citations)"),
-     "undefined references"),
-    (re.compile(r"LaTeX Warning: (Label|Reference|Citation)s? .*multiply defined"),
-     "label defined twice"),
+    (
+        re.compile(r"LaTeX Warning: There were undefined (references|citations)"),
+        "undefined references",
+    ),
+    (
+        re.compile(r"LaTeX Warning: (Label|Reference|Citation)s? .*multiply defined"),
+        "label defined twice",
+    ),
     (re.compile(r"LaTeX Warning: File `[^']*' not found"), "missing file"),
-    (re.compile(r"Unable to load picture|File `[^']*' not found|cannot find image file"),
-     "missing figure"),
+    (
+        re.compile(r"Unable to load picture|File `[^']*' not found|cannot find image file"),
+        "missing figure",
+    ),
     (re.compile(r"Missing character: There is no"), "character missing from the font"),
     (re.compile(r"^! "), "LaTeX error"),
 ]
 # Lines of the PDF driver (xdvipdfmx), printed to latexmk's output, that fail the build.
 DRIVER_ERRORS = [
-    (re.compile(r"xdvipdfmx:warning: (Object @.* not defined|.*[Uu]ndefined destination"
-                r"|Could not find image|Image inclusion failed)"), "broken link or image"),
+    (
+        re.compile(
+            r"xdvipdfmx:warning: (Object @.* not defined|.*[Uu]ndefined destination"
+            r"|Could not find image|Image inclusion failed)"
+        ),
+        "broken link or image",
+    ),
     (re.compile(r"xdvipdfmx:fatal"), "PDF driver error"),
 ]
 
@@ -86,6 +97,13 @@ def check(log_text: str, driver_text: str, aux_text: str) -> list[str]:
     return problems
 
 
+def _shown(line: str) -> bool:
+    if line.startswith(("Latexmk:", "Run number", "Running '", "Output written")):
+        return True
+    tex = line.startswith((" ", "(", ")", "[", "<", "\\", "{", "!", "l.")) or "Warning" in line
+    return not tex and bool(line.strip())
+
+
 def main(argv: list[str]) -> int:
     shutil.rmtree(LATEX, ignore_errors=True)  # no stale .aux, .toc or images
     OUT.mkdir(parents=True, exist_ok=True)
@@ -96,28 +114,53 @@ def main(argv: list[str]) -> int:
     env["LATEXMKOPTS"] = "-interaction=nonstopmode -halt-on-error -file-line-error"
     env["max_print_line"] = "100000"  # one log line per message, for the checks below
     cmd = [
-        str(Path(sys.executable).with_name("jupyter-book")), "build", str(ROOT),
-        "--builder", "pdflatex", "--all", "-W", "-n", "--keep-going", *argv,
+        str(Path(sys.executable).with_name("jupyter-book")),
+        "build",
+        str(ROOT),
+        "--builder",
+        "pdflatex",
+        "--all",
+        "-W",
+        "-n",
+        "--keep-going",
+        *argv,
     ]
     print("+", " ".join(cmd), flush=True)
     start = time.monotonic()
     with open(OUT / "build.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, errors="replace")
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
         output = []
         for line in proc.stdout:
             log.write(line)
             output.append(line)
-            # The full XeLaTeX output is in build.log; show Sphinx's and latexmk's lines.
-            if not line.startswith((" ", "(", ")", "[", "<", "\\", "{")) or "arning" in line:
+            # The whole output is in build.log; the console gets Sphinx's lines and
+            # latexmk's, not XeLaTeX's (whose warnings of the early runs are expected: the
+            # final log is checked below).
+            if _shown(line):
                 sys.stdout.write(line)
         returncode = proc.wait()
     seconds = time.monotonic() - start
     pdf = LATEX / f"{TARGET}.pdf"
     log_file = LATEX / f"{TARGET}.log"
     if returncode != 0 or not pdf.is_file() or not log_file.is_file():
-        print(f"make pdf: the build failed (exit status {returncode}); the whole output is in"
-              f" {OUT / 'build.log'}, the LaTeX log in {log_file}", file=sys.stderr)
+        if log_file.is_file():  # XeLaTeX's error, with the lines that locate it
+            lines = log_file.read_text(errors="replace").splitlines()
+            for i, line in enumerate(lines):
+                if line.startswith("! "):
+                    print("\n".join(lines[i : i + 6]), file=sys.stderr)
+        print(
+            f"make pdf: the build failed (exit status {returncode}); the whole output is in"
+            f" {OUT / 'build.log'}, the LaTeX log in {log_file}",
+            file=sys.stderr,
+        )
         return 1
     aux = LATEX / f"{TARGET}.aux"
     problems = check(

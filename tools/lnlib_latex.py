@@ -98,7 +98,7 @@ class ArrangeBook(SphinxPostTransform):
         root = self.app.config.root_doc
         title = texescape.escape(self.env.titles[root].astext())
         self.document.insert(
-            0, nodes.raw("", "\\lnlibunnumbered\n\\chapter{%s}\n" % title, format="latex")
+            0, nodes.raw("", f"\\lnlibunnumbered\n\\chapter{{{title}}}\n", format="latex")
         )
 
     def _move_bibliographies(self, starts: list[addnodes.start_of_file]) -> None:
@@ -137,12 +137,14 @@ class LocalCitations(SphinxPostTransform):
         for citation in list(self.document.findall(nodes.citation)):
             if not citation["ids"] or citation["ids"][0] in bibtex_ids:
                 continue
-            key = "lnlib-citation:%s:%s" % (citation["docname"], citation["ids"][0])
+            key = f"lnlib-citation:{citation['docname']}:{citation['ids'][0]}"
             label = citation[0].astext() if isinstance(citation[0], nodes.label) else "?"
             targets[(citation["docname"], citation["ids"][0])] = (key, label)
             head = nodes.paragraph(
-                "", "", nodes.raw("", r"\hypertarget{%s}{}" % key, format="latex"),
-                nodes.Text("[%s] " % label),
+                "",
+                "",
+                nodes.raw("", rf"\hypertarget{{{key}}}{{}}", format="latex"),
+                nodes.Text(f"[{label}] "),
             )
             body = [child for child in citation.children if not isinstance(child, nodes.label)]
             citation.replace_self(nodes.container("", head, *body, classes=["citation"]))
@@ -150,8 +152,9 @@ class LocalCitations(SphinxPostTransform):
             target = targets.get((ref.get("docname"), ref.get("refname")))
             if target is not None:
                 key, label = target
-                ref.replace_self(nodes.raw("", r"\hyperlink{%s}{[%s]}" % (key, label),
-                                           format="latex"))
+                ref.replace_self(
+                    nodes.raw("", rf"\hyperlink{{{key}}}{{[{label}]}}", format="latex")
+                )
 
 
 class GluedImagePaths(SphinxPostTransform):
