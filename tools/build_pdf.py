@@ -7,7 +7,9 @@
    citation (printed "??"), a figure file that cannot be read, a character missing from the
    fonts, a link to a target that does not exist, or a page of ``_toc.yml`` that did not
    reach the LaTeX file fails the build, with every such line printed.
-3. The PDF is copied to _build/pdf/lnlib.pdf, with the build output in _build/pdf/build.log.
+3. The PDF is copied to _build/pdf/lnlib.pdf, with the build output in _build/pdf/build.log,
+   and, when the web book is built, to _build/html/lnlib.pdf, where its front page links to
+   (the Pages workflow publishes it there).
 
 Usage: python tools/build_pdf.py [extra jupyter-book options]
 """
@@ -174,6 +176,10 @@ def main(argv: list[str]) -> int:
             print("  " + problem, file=sys.stderr)
         return 1
     shutil.copy2(pdf, OUT / f"{TARGET}.pdf")
+    # The web book's front page links to ../lnlib.pdf: beside the HTML, as on the site.
+    html = ROOT / "_build" / "html"
+    if (html / "index.html").is_file():
+        shutil.copy2(pdf, html / f"{TARGET}.pdf")
     print(f"make pdf: {OUT / (TARGET + '.pdf')} built in {seconds:.0f} s")
     return 0
 

@@ -16,7 +16,7 @@ if [ -z "$missing" ]; then
     for sty in fncychap.sty titlesec.sty tabulary.sty fontspec.sty; do
         kpsewhich "$sty" >/dev/null 2>&1 || missing="$missing $sty"
     done
-    fc-list 2>/dev/null | grep -q FreeSerif || missing="$missing FreeSerif"
+    [ -n "$(fc-list FreeSerif family 2>/dev/null)" ] || missing="$missing FreeSerif"
 fi
 [ -z "$missing" ] && exit 0
 if [ "$(id -u)" = 0 ]; then

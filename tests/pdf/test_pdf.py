@@ -263,3 +263,10 @@ def test_build_check_fails_on_a_missing_page_or_a_broken_link():
     full = aux + f"\\newlabel{{{names[-1]}::doc}}{{}}\n"
     driver = "xdvipdfmx:warning: Object @cite.x used, but not defined. Replaced by null."
     assert len(build_pdf.check("", driver, full)) == 1
+
+
+def test_the_web_book_links_to_the_pdf_beside_it():
+    front = (HTML / "book" / "intro.html").read_text() if HTML.is_dir() else ""
+    assert 'href="../lnlib.pdf"' in front
+    beside = HTML / "lnlib.pdf"  # where make pdf and the Pages workflow put it
+    assert beside.is_file() and beside.read_bytes() == _pdf().read_bytes()
