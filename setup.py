@@ -1,20 +1,25 @@
 """Build step that pyproject.toml cannot express: compile the CPU kernel into the package.
 
-``cffi_modules`` runs ``lnlib/kernels/build_norms.py``, which compiles ``norms_cpu.c`` into the
+``cffi_modules`` runs ``lnlib/_cpu/build.py``, which compiles ``norms.c`` into the
 extension module ``lnlib._cpu._norms`` (an optional extension: without a C compiler the
 install succeeds and lnlib runs its NumPy path, with a warning at first use). The
 ``build_ext`` below then records the module's sha256 beside it, which lnlib checks before
 loading the module. All other metadata is in ``pyproject.toml``.
 """
 
-import sys
+import importlib.util
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lnlib" / "kernels"))
-from build_norms import DIGEST_FILE, MODULE, record_digest  # noqa: E402
+# lnlib/_cpu/build.py, loaded from its file: importing the package would need NumPy at build time.
+_spec = importlib.util.spec_from_file_location(
+    "lnlib_cpu_build", Path(__file__).resolve().parent / "lnlib" / "_cpu" / "build.py"
+)
+_build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_build)
+DIGEST_FILE, MODULE, record_digest = _build.DIGEST_FILE, _build.MODULE, _build.record_digest
 
 
 class BuildExtRecordingDigest(build_ext):
@@ -38,6 +43,6 @@ class BuildExtRecordingDigest(build_ext):
 
 
 setup(
-    cffi_modules=["lnlib/kernels/build_norms.py:ffibuilder"],
+    cffi_modules=["lnlib/_cpu/build.py:ffibuilder"],
     cmdclass={"build_ext": BuildExtRecordingDigest},
 )

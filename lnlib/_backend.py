@@ -21,11 +21,11 @@ in the accumulation dtype (:func:`accumulation_dtype`). Row ``i`` of a result de
 
 Implementations are registered by name; a device adds one with one :func:`register` line:
 
-* ``"kernel"``: the compiled C kernel (:mod:`lnlib._cpu.kernels`), float16, float32 and
+* ``"kernel"``: the compiled C kernel (:mod:`lnlib._cpu.c_kernel`), float16, float32 and
   float64;
-* ``"numpy"``: the blocked NumPy fast path (:mod:`lnlib._cpu.numpy_rows`), every dtype;
+* ``"numpy"``: the blocked NumPy fast path (:mod:`lnlib._cpu.numpy_path`), every dtype;
 * ``"reference"``: the readable formulas of :mod:`lnlib.reference`, NumPy or CuPy;
-* ``"cuda"``: CUDA kernels through CuPy (:mod:`lnlib._cuda.rows`), where a GPU is present.
+* ``"cuda"``: CUDA kernels through CuPy (:mod:`lnlib._cuda.cuda_kernel`), where a GPU is present.
 
 ``"auto"`` (the default) takes the kernel where it can and the NumPy path otherwise on the
 CPU, and ``"cuda"`` (else the reference) for CuPy arrays. :func:`use_implementation` forces
@@ -79,14 +79,14 @@ def register(name, module, *, array_module, dtypes, description, attr="{op}_rows
 
 register(
     "kernel",
-    "lnlib._cpu.kernels",
+    "lnlib._cpu.c_kernel",
     array_module="numpy",
     dtypes=(_F16, _F32, _F64),
-    description="compiled C kernel (lnlib/kernels/norms_cpu.c)",
+    description="compiled C kernel (lnlib/_cpu/norms.c)",
 )
 register(
     "numpy",
-    "lnlib._cpu.numpy_rows",
+    "lnlib._cpu.numpy_path",
     array_module="numpy",
     dtypes=(_F16, _F32, _F64),
     description="blocked, threaded NumPy fast path",
@@ -102,7 +102,7 @@ register(
 # The CUDA kernels: a module with available() -> (bool, reason) and the <op>_rows functions.
 register(
     "cuda",
-    "lnlib._cuda.rows",
+    "lnlib._cuda.cuda_kernel",
     array_module="cupy",
     dtypes=(_F16, _F32, _F64),
     description="CUDA kernels through CuPy",
@@ -182,7 +182,7 @@ def _kernel_usable():
     return bool(info["kernel"]), info["reason"]
 
 
-#: lnlib._cpu.kernels once it is fully imported (None before): set only by _kernels_module.
+#: lnlib._cpu.c_kernel once it is fully imported (None before): set only by _kernels_module.
 _kernels = None
 
 
@@ -192,7 +192,7 @@ def _kernels_module():
     in ``sys.modules`` may still be half-way through its import in another thread."""
     global _kernels
     if _kernels is None:
-        _kernels = importlib.import_module("lnlib._cpu.kernels")
+        _kernels = importlib.import_module("lnlib._cpu.c_kernel")
     return _kernels
 
 

@@ -35,7 +35,7 @@ nothing but moving its data.
 readable reference; the fused version with preallocated scratch and ``out=`` arguments over
 the whole array in one thread; the same, row-blocked so a block stays in cache across the
 passes; blocked with one thread per core; then the compiled C kernel
-(``lnlib/kernels/norms_cpu.c``, the path the public functions take when a C compiler is
+(``lnlib/_cpu/norms.c``, the path the public functions take when a C compiler is
 available), in one thread and in one thread per core. Every variant is checked
 against the reference before it is timed.
 
@@ -371,10 +371,10 @@ def step_variants(x, weight, bias, eps):
     The NumPy steps, then the compiled kernel (one pass from memory per row) in one thread and
     in one thread per core, when it is available on this machine.
     """
-    from lnlib._cpu import kernels, numpy_rows
+    from lnlib._cpu import c_kernel, numpy_path
 
-    _forward_numpy = numpy_rows.layer_norm_forward_rows
-    _forward_kernel = kernels.layer_norm_forward_rows
+    _forward_numpy = numpy_path.layer_norm_forward_rows
+    _forward_kernel = c_kernel.layer_norm_forward_rows
     m = x.shape[0]
     steps = [
         ("reference (readable)", lambda: reference.layer_norm_forward(x, weight, bias, eps=eps)),
@@ -385,12 +385,12 @@ def step_variants(x, weight, bias, eps):
         ("row-blocked (1 thread)", lambda: _forward_numpy(x, weight, bias, eps, threads=1)),
         ("row-blocked + threads", lambda: _forward_numpy(x, weight, bias, eps)),
     ]
-    if kernels.available()[0] and x.dtype in (np.float32, np.float64):
+    if c_kernel.available()[0] and x.dtype in (np.float32, np.float64):
         out = (np.empty_like(x), np.empty(m, x.dtype), np.empty(m, x.dtype))  # reused
         cores = lnlib_cpu_threads()
 
         def ordinary_stores():
-            with kernels.ordinary_stores():
+            with c_kernel.ordinary_stores():
                 return _forward_kernel(x, weight, bias, eps, threads=cores, out=out)
 
         steps += [
@@ -448,9 +448,9 @@ def bench_steps(shape, dtype, repeats, copy_GBps, eps=1e-5):
 
 def _implementations():
     """The CPU implementations to compare: the compiled kernel where available, NumPy."""
-    from lnlib._cpu import kernels
+    from lnlib._cpu import c_kernel
 
-    return (["kernel"] if kernels.available()[0] else []) + ["numpy"]
+    return (["kernel"] if c_kernel.available()[0] else []) + ["numpy"]
 
 
 def long_row_rstd_errors(log2_n, seed=0, eps=1e-5):
@@ -521,13 +521,13 @@ def format_accuracy(rows):
 def thread_crossover(sizes=(1 << 19, 1 << 20, 1 << 21), repeats=41, width=1024):
     """The compiled LayerNorm in one thread and in every core, interleaved, per size and dtype.
 
-    The measurement behind ``lnlib._cpu.kernels.PARALLEL_MIN_BYTES`` (below it a call runs in
+    The measurement behind ``lnlib._cpu.c_kernel.PARALLEL_MIN_BYTES`` (below it a call runs in
     the calling thread). Returns rows of ``dtype``, ``elements``, ``bytes`` of ``x`` and the
     median seconds of the forward and the backward with ``threads=1`` and with all cores.
     """
-    from lnlib._cpu import kernels
+    from lnlib._cpu import c_kernel
 
-    if not kernels.available()[0]:
+    if not c_kernel.available()[0]:
         return []
     cores, rows = lnlib_cpu_threads(), []
     for dtype in (np.float16, np.float32, np.float64):
@@ -535,8 +535,8 @@ def thread_crossover(sizes=(1 << 19, 1 << 20, 1 << 21), repeats=41, width=1024):
         for size in sizes:
             x, _, _, dy = _inputs((size // width, width), dtype)
             w, b = np.ones(width, acc), np.zeros(width, acc)
-            mean, rstd = kernels.layer_norm_forward_rows(x, w, b, 1e-5)[1:]
-            tasks = _crossover_tasks(kernels, (x, dy, w, b, mean, rstd), cores)
+            mean, rstd = c_kernel.layer_norm_forward_rows(x, w, b, 1e-5)[1:]
+            tasks = _crossover_tasks(c_kernel, (x, dy, w, b, mean, rstd), cores)
             med = {k: statistics.median(v) for k, v in _median_times(tasks, repeats).items()}
             rows.append(
                 {
@@ -550,13 +550,13 @@ def thread_crossover(sizes=(1 << 19, 1 << 20, 1 << 21), repeats=41, width=1024):
     return rows
 
 
-def _crossover_tasks(kernels, arrays, cores):
+def _crossover_tasks(kernel, arrays, cores):
     """The forward and backward in one thread and in ``cores`` threads, as timed tasks."""
     x, dy, w, b, mean, rstd = arrays
     tasks = {}
     for t in (1, cores):
-        tasks[f"fwd_{t}"] = lambda t=t: kernels.layer_norm_forward_rows(x, w, b, 1e-5, threads=t)
-        tasks[f"bwd_{t}"] = lambda t=t: kernels.layer_norm_backward_rows(
+        tasks[f"fwd_{t}"] = lambda t=t: kernel.layer_norm_forward_rows(x, w, b, 1e-5, threads=t)
+        tasks[f"bwd_{t}"] = lambda t=t: kernel.layer_norm_backward_rows(
             dy, x, mean, rstd, w, threads=t
         )
     return tasks
@@ -604,9 +604,9 @@ def _cpu_model():
 
 
 def _cpu_path():
-    from lnlib._cpu import kernels
+    from lnlib._cpu import c_kernel
 
-    info = kernels.info()
+    info = c_kernel.info()
     if not info["kernel"]:
         return f"NumPy ({info['reason']})"
     return f"compiled C kernel ({info['version']} version, {info['vector_bytes']}-byte vectors)"

@@ -116,9 +116,9 @@ def test_command_line_rejects_bad_dtype():
 
 
 def test_thread_crossover_times_both_ways():
-    from lnlib._cpu import kernels
+    from lnlib._cpu import c_kernel
 
-    if not kernels.available()[0]:
+    if not c_kernel.available()[0]:
         pytest.skip("compiled kernel not available")
     rows = bench.thread_crossover(sizes=(4096,), repeats=1, width=64)
     assert [r["dtype"] for r in rows] == ["float16", "float32", "float64"]

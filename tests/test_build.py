@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import lnlib
-from lnlib._cpu import kernels
+from lnlib._cpu import c_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.build
@@ -39,7 +39,7 @@ with warnings.catch_warnings(record=True) as caught:
     import numpy as np
     import lnlib
     from lnlib import reference
-    from lnlib._cpu import kernels
+    from lnlib._cpu import c_kernel
     x = (np.random.default_rng(0).standard_normal((64, 300)) + 3).astype(np.float32)
     for _ in range(3):
         y, mean, rstd = lnlib.layer_norm_forward(x)
@@ -47,7 +47,7 @@ with warnings.catch_warnings(record=True) as caught:
         lnlib.rms_norm(x)
     lnlib.show_config(file=False)
     err = float(np.abs(y - reference.layer_norm_forward(x)[0]).max())
-print(json.dumps({"lnlib": lnlib.__file__, "info": kernels.info(), "err": err,
+print(json.dumps({"lnlib": lnlib.__file__, "info": c_kernel.info(), "err": err,
                   "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}))
 """
 
@@ -180,7 +180,7 @@ def test_wheel_is_a_platform_wheel_with_the_compiled_kernel(installed):
     names = zipfile.ZipFile(wheel).namelist()
     assert [n for n in names if n.startswith("lnlib/_cpu/_norms.") and "sha256" not in n], names
     assert "lnlib/_cpu/_norms.sha256" in names  # the digest checked before loading
-    assert "lnlib/kernels/norms.h" in names and "lnlib/kernels/norms_cpu.c" in names
+    assert "lnlib/_cpu/norms.h" in names and "lnlib/_cpu/norms.c" in names
 
 
 def test_installed_wheel_runs_the_kernel_without_a_compiler(installed):
@@ -232,19 +232,19 @@ def refuse(*args, **kwargs):
     raise AssertionError(f"lnlib tried to run or load {args[:1]}")
 subprocess.Popen = subprocess.run = ctypes.CDLL = refuse
 import numpy as np, lnlib
-from lnlib._cpu import kernels
+from lnlib._cpu import c_kernel
 x = np.random.default_rng(0).standard_normal((300, 64)).astype(np.float32)
 y, mean, rstd = lnlib.layer_norm_forward(x)
 lnlib.layer_norm_backward(x, x, mean, rstd)
 lnlib.rms_norm_backward(x, x, lnlib.rms_norm_forward(x)[1])
 maps = open("/proc/self/maps").read() if sys.platform == "linux" else ""
-print(json.dumps({"info": kernels.info(), "maps": maps}))
+print(json.dumps({"info": c_kernel.info(), "maps": maps}))
 """
 
 
 def test_never_builds_or_loads_from_cache_or_temp_folders(tmp_path):
-    if not kernels.available()[0]:
-        _skip(f"the kernel is not built in this checkout: {kernels.available()[1]}")
+    if not c_kernel.available()[0]:
+        _skip(f"the kernel is not built in this checkout: {c_kernel.available()[1]}")
     folders = {name: tmp_path / name for name in ("cache", "xdg", "home", "tmp")}
     planted = []
     for folder in folders.values():
@@ -271,7 +271,7 @@ def test_never_builds_or_loads_from_cache_or_temp_folders(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["info"]["kernel"]
-    assert Path(result["info"]["path"]).parent == Path(kernels.__file__).parent
+    assert Path(result["info"]["path"]).parent == Path(c_kernel.__file__).parent
     for folder in folders.values():
         assert str(folder) not in result["maps"]
         assert sorted(p for p in folder.rglob("*") if p.is_file()) == [
@@ -282,12 +282,12 @@ def test_never_builds_or_loads_from_cache_or_temp_folders(tmp_path):
 def test_missing_module_in_this_process_warns_once(monkeypatch, rng):
     """The fallback without a subprocess: the import fails, lnlib warns once and runs NumPy."""
     monkeypatch.setitem(sys.modules, "lnlib._cpu._norms", None)  # import raises ImportError
-    monkeypatch.setattr(kernels, "_state", dict(kernels._state, loaded=False, module=None))
+    monkeypatch.setattr(c_kernel, "_state", dict(c_kernel._state, loaded=False, module=None))
     x = rng.standard_normal((5, 7))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ys = [lnlib.layer_norm(x) for _ in range(3)]
-        info = kernels.info()
+        info = c_kernel.info()
     assert not info["kernel"] and "not built" in info["reason"]
     kernel_warnings = [w for w in caught if "compiled CPU kernel" in str(w.message)]
     assert [type(w.message) for w in kernel_warnings] == [RuntimeWarning]
@@ -335,8 +335,8 @@ def _damage(module, how):
 def package_copy(tmp_path):
     """A copy of this checkout's lnlib (kernel and digest included), in ``tmp_path``: the
     damage tests change the copy, never the installed module."""
-    if not kernels.available()[0]:
-        _skip(f"the kernel is not built in this checkout: {kernels.available()[1]}")
+    if not c_kernel.available()[0]:
+        _skip(f"the kernel is not built in this checkout: {c_kernel.available()[1]}")
     shutil.copytree(
         Path(lnlib.__file__).parent,
         tmp_path / "lnlib",

@@ -1,6 +1,6 @@
 """The compiled CPU kernel: built where a compiler exists, accurate on long rows and long
 columns, bitwise invariant to batch, threads and alignment, bound with checked types, and
-described pass by pass by ``lnlib._cpu.kernels.PASSES``."""
+described pass by pass by ``lnlib._cpu.c_kernel.PASSES``."""
 
 import platform
 import re
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import lnlib
-from lnlib._cpu import kernels
+from lnlib._cpu import c_kernel as cpu_kernel
 
-KERNEL_DIR = Path(lnlib.__file__).parent / "kernels"
+KERNEL_DIR = Path(lnlib.__file__).parent / "_cpu"
 
 
 @pytest.fixture
@@ -24,15 +24,15 @@ def kernel():
     usable, reason = row["available"], row["reason"]
     if not usable:
         pytest.skip(f"compiled kernel not available: {reason}")
-    return kernels
+    return cpu_kernel
 
 
 def test_kernel_is_built_where_a_compiler_exists():
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler on this machine: the NumPy fast path is used")
-    info = kernels.info()
+    info = cpu_kernel.info()
     assert info["kernel"], info["reason"]
-    assert Path(info["path"]).parent == Path(kernels.__file__).parent  # inside the package
+    assert Path(info["path"]).parent == Path(cpu_kernel.__file__).parent  # inside the package
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -220,7 +220,7 @@ def test_float16_public_functions_take_the_kernel(kernel, rng):
 
 
 def test_float16_kernel_reports_a_failed_allocation(kernel):
-    lib, ffi = kernels._state["module"].lib, kernels._state["module"].ffi
+    lib, ffi = cpu_kernel._state["module"].lib, cpu_kernel._state["module"].ffi
     huge = 1 << 60  # scratch rows of this length cannot be allocated; no row is touched (m=0)
     null = ffi.NULL
     assert lib.layer_norm_forward_f16(null, huge, null, null, null, null, null, 0, huge, 1e-5)
@@ -231,13 +231,13 @@ def test_float16_kernel_reports_a_failed_allocation(kernel):
     assert lib.rms_norm_backward_f16(null, huge, null, huge, null, null, null, null, 0, huge)
     assert lib.rms_norm_forward_f16(null, 1, null, null, null, 0, 1, 1e-5) == 0
     with pytest.raises(MemoryError, match="scratch"):
-        kernels._ok(1)
+        cpu_kernel._ok(1)
 
 
 def test_binding_rejects_wrong_dtypes_and_argument_counts(kernel):
     x = np.ones((2, 4), dtype=np.float32)
     y, mean, rstd = np.empty_like(x), np.empty(2, np.float32), np.empty(2, np.float32)
-    ffi, lib = kernels._state["module"].ffi, kernels._state["module"].lib
+    ffi, lib = cpu_kernel._state["module"].ffi, cpu_kernel._state["module"].lib
 
     def p(a):
         return ffi.from_buffer(("float" if a.dtype == np.float32 else "double") + "[]", a)
@@ -342,17 +342,17 @@ def _function_body(source, name):
 def _row_function_body(op):
     """The body of ``FN(<op>_row)``, with the helpers it calls (other than the row sums
     ``row_*``) spelled out in place, so that every pass over the row shows."""
-    source = (KERNEL_DIR / "norms_cpu_typed.h").read_text()
+    source = (KERNEL_DIR / "norms_typed.h").read_text()
     body = _function_body(source, op + "_row")
-    assert body, f"no row function for {op} in norms_cpu_typed.h"
+    assert body, f"no row function for {op} in norms_typed.h"
     helper = re.compile(r"FN\((?!row_)(\w+)\)\([^;]*;")
     return helper.sub(lambda m: _function_body(source, m.group(1)) or m.group(0), body)
 
 
-@pytest.mark.parametrize("op", sorted(kernels.PASSES))
+@pytest.mark.parametrize("op", sorted(cpu_kernel.PASSES))
 def test_passes_match_the_c_source(op):
     passes = [m.group("call") or m.group("loop") for m in _PASS.finditer(_row_function_body(op))]
-    described = kernels.PASSES[op]
+    described = cpu_kernel.PASSES[op]
     assert len(passes) == len(described), f"{op}: C makes {len(passes)} passes over a row"
     for text, want in zip(passes, described):
         used = {a for a in _ARRAYS if re.search(rf"\b{a}\b", text)}
@@ -364,7 +364,7 @@ def test_passes_match_the_c_source(op):
 def test_passes_cover_every_kernel_in_the_header():
     header = (KERNEL_DIR / "norms.h").read_text()
     declared = set(re.findall(r"void (\w+)_f32\(", header))
-    assert declared == set(kernels.PASSES)
+    assert declared == set(cpu_kernel.PASSES)
 
 
 # --- Every vector width gives the same bits -------------------------------------------------
@@ -398,7 +398,7 @@ def _build_variant(tmp_path, name, flags):
 
     import cffi
 
-    spec = importlib.util.spec_from_file_location("build_norms", KERNEL_DIR / "build_norms.py")
+    spec = importlib.util.spec_from_file_location("lnlib_cpu_build", KERNEL_DIR / "build.py")
     builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builder)
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
@@ -415,7 +415,7 @@ def _build_variant(tmp_path, name, flags):
             "-fPIC",
             "-o",
             str(out),
-            str(KERNEL_DIR / "norms_cpu.c"),
+            str(KERNEL_DIR / "norms.c"),
             "-lm",
         ],
         check=True,

@@ -1,7 +1,7 @@
 """Every CUDA kernel compiles for sm_80 and sm_90 without register spills (no GPU needed).
 
-At run time CuPy compiles ``lnlib._cuda.kernels.source()`` with NVRTC, with lnlib's options
-(``kernels.OPTIONS``) plus those CuPy adds itself in ``cupy.cuda.compiler``
+At run time CuPy compiles ``lnlib._cuda.build.source()`` with NVRTC, with lnlib's options
+(``build.OPTIONS``) plus those CuPy adds itself in ``cupy.cuda.compiler``
 (``_compile_with_cache_cuda`` adds ``-ftz=true``; ``_get_arch_for_options_for_nvrtc`` adds
 ``-arch=sm_XX`` to get a cubin; ``--device-as-default-execution-space`` and ``--pch`` are
 NVRTC-only and change nothing for code that marks every function ``__device__``/``__global__``).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from lnlib._cuda import kernels
+from lnlib._cuda import build
 
 ARCHS = ("80", "90")
 #: What CuPy adds to a RawModule's options (besides include paths and the architecture).
@@ -45,10 +45,10 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA compiler) i
 
 def instantiation_source():
     """The kernel source plus one address-of per name expression, which instantiates it."""
-    names = kernels.all_name_expressions()
+    names = build.all_name_expressions()
     refs = ",\n".join(f"        (const void*)&{n}" for n in names)
     return (
-        kernels.source() + "\n// Instantiate what CuPy names at run time.\n"
+        build.source() + "\n// Instantiate what CuPy names at run time.\n"
         "const void* lnlib_kernel_address(int i) {\n"
         f"    static const void* const all[] = {{\n{refs}\n    }};\n    return all[i];\n}}\n"
     )
@@ -59,7 +59,7 @@ def nvcc_command(arch, src, out):
         NVCC,
         "-cubin",
         f"-arch=sm_{arch}",
-        *kernels.OPTIONS,
+        *build.OPTIONS,
         *CUPY_ADDED,
         "-Xptxas",
         "-v",
@@ -146,7 +146,7 @@ def test_every_kernel_compiles_without_spills(builds, arch):
     bad = [line for line in log.splitlines() if re.search(r"warning|error", line, re.IGNORECASE)]
     assert not bad, f"sm_{arch}: compiler diagnostics:\n" + "\n".join(bad[:20])
     report = parse_report(log)
-    assert set(report) == set(kernels.all_name_expressions()), "kernels missing from the report"
+    assert set(report) == set(build.all_name_expressions()), "kernels missing from the report"
     for name, r in report.items():
         assert r.get("spill_stores") == 0 and r.get("spill_loads") == 0, f"{name} spills: {r}"
         assert r.get("stack") == 0, f"{name} uses a stack frame (local memory): {r}"
@@ -163,12 +163,12 @@ def test_options_are_those_cupy_uses():
     assert "-arch=sm_" in arch_text, "CuPy no longer compiles to a cubin for the device's sm"
 
 
-@pytest.mark.parametrize("op", kernels.OPS)
-@pytest.mark.parametrize("dtype", sorted(kernels.TYPE_NAMES))
+@pytest.mark.parametrize("op", build.OPS)
+@pytest.mark.parametrize("dtype", sorted(build.TYPE_NAMES))
 def test_launch_shapes_cover_every_row_length(op, dtype):
     """Every row length 1 .. 2^20 maps to a compiled kernel whose tiles cover the row."""
-    names = set(kernels.all_name_expressions())
-    vec = 16 // kernels.ITEMSIZE[dtype]
+    names = set(build.all_name_expressions())
+    vec = 16 // build.ITEMSIZE[dtype]
     lengths = [
         1,
         2,
@@ -190,23 +190,23 @@ def test_launch_shapes_cover_every_row_length(op, dtype):
         2**20,
     ]
     for d in lengths:
-        r, maxv, tiles = kernels.launch_shape(op, dtype, d)
-        assert kernels.kernel_name(op, dtype, r, maxv) in names
+        r, maxv, tiles = build.launch_shape(op, dtype, d)
+        assert build.kernel_name(op, dtype, r, maxv) in names
         assert tiles * r * maxv * vec >= d > (tiles - 1) * r * maxv * vec
-        assert (tiles == 1) or (r, maxv) == kernels.shapes(op, dtype)[-1]
+        assert (tiles == 1) or (r, maxv) == build.shapes(op, dtype)[-1]
 
 
 def test_launch_shapes_stated_in_the_book():
     """Chapter 5: a warp per float32 row up to 512 elements, 1024 threads up to 16384, tiles
     beyond; the backward stops at 512 threads per row; 16 float32 elements per thread."""
     fwd, bwd = "layer_norm_fwd", "layer_norm_bwd"
-    assert kernels.launch_shape(fwd, "float32", 512) == (32, 4, 1)
-    assert kernels.launch_shape(fwd, "float32", 513)[0] == 64
-    assert kernels.launch_shape(fwd, "float32", 16384) == (1024, 4, 1)
-    assert kernels.launch_shape(fwd, "float32", 16385) == (1024, 4, 2)
-    assert max(r for r, _ in kernels.shapes(bwd, "float32")) == 512
-    assert max(4 * v for _, v in kernels.shapes(fwd, "float32")) == 16
-    assert 16 // kernels.ITEMSIZE["float32"] == 4 and 16 // kernels.ITEMSIZE["float16"] == 8
+    assert build.launch_shape(fwd, "float32", 512) == (32, 4, 1)
+    assert build.launch_shape(fwd, "float32", 513)[0] == 64
+    assert build.launch_shape(fwd, "float32", 16384) == (1024, 4, 1)
+    assert build.launch_shape(fwd, "float32", 16385) == (1024, 4, 2)
+    assert max(r for r, _ in build.shapes(bwd, "float32")) == 512
+    assert max(4 * v for _, v in build.shapes(fwd, "float32")) == 16
+    assert 16 // build.ITEMSIZE["float32"] == 4 and 16 // build.ITEMSIZE["float16"] == 8
 
 
 def _nvrtc_missing():
@@ -230,15 +230,15 @@ def test_cupy_nvrtc_compiles_every_module_by_name():
     from cupy.cuda import compiler
 
     options = (
-        core.assemble_cupy_compiler_options(kernels.OPTIONS)
+        core.assemble_cupy_compiler_options(build.OPTIONS)
         + CUPY_ADDED
         + ("-arch=sm_90", "--device-as-default-execution-space")
     )
-    for op in kernels.OPS:
-        for dtype in kernels.TYPE_NAMES:
-            names = kernels.name_expressions(op, dtype)
+    for op in build.OPS:
+        for dtype in build.TYPE_NAMES:
+            names = build.name_expressions(op, dtype)
             program = compiler._NVRTCProgram(
-                kernels.source(), "norms_cuda.cu", name_expressions=names, method="cubin"
+                build.source(), "norms.cu", name_expressions=names, method="cubin"
             )
             cubin, mapping = program.compile(options)
             assert cubin and set(mapping) == set(names), f"{op} {dtype}: names not resolved"
@@ -248,7 +248,7 @@ def resource_table(builds_by_arch):
     """Lines ``kernel  sm_80 registers  sm_90 registers  spills`` for the report."""
     reports = {a: parse_report(log) for a, (_, log) in builds_by_arch.items()}
     lines = [f"{'kernel':<44}" + "".join(f"{'sm_' + a + ' regs':>12}{'spills':>8}" for a in ARCHS)]
-    for name in kernels.all_name_expressions():
+    for name in build.all_name_expressions():
         row = f"{name:<44}"
         for a in ARCHS:
             r = reports[a].get(name, {})

@@ -88,11 +88,11 @@ def _same_bits(a, b, what):
 
 
 def test_cupy_input_selects_the_cuda_kernels():
-    from lnlib._cuda import rows
+    from lnlib._cuda import cuda_kernel
 
-    assert rows.available()[0], rows.available()[1]
+    assert cuda_kernel.available()[0], cuda_kernel.available()[1]
     for op in _backend.OPS:
-        assert _backend.select(op, cp, np.float32) is getattr(rows, f"{op}_rows")
+        assert _backend.select(op, cp, np.float32) is getattr(cuda_kernel, f"{op}_rows")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -278,9 +278,9 @@ def test_bfloat16_rows_if_cupy_holds_them(rng):
         x = cp.asarray(rng.standard_normal((8, 96)).astype(ml_dtypes.bfloat16))
     except Exception as exc:  # noqa: BLE001 - CuPy builds without bfloat16 arrays
         pytest.skip(f"CuPy cannot hold bfloat16 arrays here ({type(exc).__name__}: {exc})")
-    from lnlib._cuda import rows
+    from lnlib._cuda import cuda_kernel
 
-    y, _mean, _rstd = rows.layer_norm_forward_rows(x, None, None, 1e-5)
+    y, _mean, _rstd = cuda_kernel.layer_norm_forward_rows(x, None, None, 1e-5)
     x64 = cp.asnumpy(x).astype(np.float64)
     y_ref = reference.layer_norm_forward(x64)[0]
     err = np.max(np.abs(cp.asnumpy(y).astype(np.float64) - y_ref))

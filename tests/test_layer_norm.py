@@ -305,7 +305,7 @@ def test_layer_norm_is_forward_output(rng):
 
 
 def test_thread_and_block_settings_do_not_change_forward_bits(rng):
-    from lnlib._cpu.numpy_rows import layer_norm_forward_rows as _forward_numpy
+    from lnlib._cpu.numpy_path import layer_norm_forward_rows as _forward_numpy
 
     x = rng.standard_normal((1000, 384)).astype(np.float32)
     base = _forward_numpy(x, None, None, 1e-5, block_rows=1, threads=1)
@@ -365,7 +365,7 @@ def test_results_do_not_depend_on_memory_alignment(rng, dtype):
 
 def _threaded_rows(x):
     """The NumPy row forward split over two threads (the pool is used even on one core)."""
-    from lnlib._cpu.numpy_rows import layer_norm_forward_rows
+    from lnlib._cpu.numpy_path import layer_norm_forward_rows
 
     return layer_norm_forward_rows(x, None, None, 1e-5, block_rows=16, threads=2)
 
@@ -410,7 +410,7 @@ def test_call_during_interpreter_shutdown():
 
     code = (
         "import atexit, numpy as np\n"
-        "from lnlib._cpu.numpy_rows import layer_norm_forward_rows as f\n"
+        "from lnlib._cpu.numpy_path import layer_norm_forward_rows as f\n"
         "x = np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32)\n"
         "want = f(x, None, None, 1e-5, block_rows=16, threads=1)[0]\n"
         "def late():\n"
@@ -450,7 +450,7 @@ def test_float16_statistics_do_not_lower_the_backward_precision(rng):
 
 def test_parameter_gradient_column_sums_do_not_drift():
     """Issue 8: dweight/dbias summed block by block in float32 drift with the row count."""
-    from lnlib._cpu.numpy_rows import layer_norm_backward_rows, layer_norm_forward_rows
+    from lnlib._cpu.numpy_path import layer_norm_backward_rows, layer_norm_forward_rows
 
     x = np.random.default_rng(0).standard_normal((1 << 16, 2)).astype(np.float32)
     dy = np.full(x.shape, 0.1, np.float32)
@@ -497,19 +497,19 @@ def test_weight_offset_finite_differences_and_default(rng):
 
 def test_numpy_path_parameter_gradients_do_not_depend_on_threads(rng):
     """The group sums are added in row order, whatever the split into threads."""
-    from lnlib._cpu import numpy_rows
+    from lnlib._cpu import numpy_path
 
     x = rng.standard_normal((3000, 24)).astype(np.float32)
     dy = rng.standard_normal(x.shape).astype(np.float32)
     w = rng.standard_normal(24).astype(np.float32)
-    _, mean, rstd = numpy_rows.layer_norm_forward_rows(x, w, None, 1e-5)
-    _, r = numpy_rows.rms_norm_forward_rows(x, w, 1e-5)
-    want = numpy_rows.layer_norm_backward_rows(dy, x, mean, rstd, w, block_rows=64, threads=1)
-    want_r = numpy_rows.rms_norm_backward_rows(dy, x, r, w, block_rows=64, threads=1)
+    _, mean, rstd = numpy_path.layer_norm_forward_rows(x, w, None, 1e-5)
+    _, r = numpy_path.rms_norm_forward_rows(x, w, 1e-5)
+    want = numpy_path.layer_norm_backward_rows(dy, x, mean, rstd, w, block_rows=64, threads=1)
+    want_r = numpy_path.rms_norm_backward_rows(dy, x, r, w, block_rows=64, threads=1)
     for threads in (2, 3, 5):
-        got = numpy_rows.layer_norm_backward_rows(
+        got = numpy_path.layer_norm_backward_rows(
             dy, x, mean, rstd, w, block_rows=64, threads=threads
         )
-        got_r = numpy_rows.rms_norm_backward_rows(dy, x, r, w, block_rows=64, threads=threads)
+        got_r = numpy_path.rms_norm_backward_rows(dy, x, r, w, block_rows=64, threads=threads)
         for a, b in zip((*got, *got_r), (*want, *want_r)):
             np.testing.assert_array_equal(a, b)

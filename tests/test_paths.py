@@ -136,9 +136,9 @@ def test_long_rows_are_batch_invariant_and_deterministic(op, rng):
     """The NumPy path's blocked sums (rows longer than ROW_BLOCK, with a partial last block):
     a row alone, in a batch, at an odd offset in memory and with any number of threads gives
     the same bits."""
-    from lnlib._cpu import numpy_rows
+    from lnlib._cpu import numpy_path
 
-    n = 2 * numpy_rows.ROW_BLOCK + 37
+    n = 2 * numpy_path.ROW_BLOCK + 37
     buf = rng.standard_normal(12 * n + 1).astype(F32)
     x = buf[1:].reshape(12, n)  # rows at an address that is not 8-byte aligned
     weight, bias = rng.uniform(0.5, 1.5, n).astype(F32), rng.standard_normal(n).astype(F32)
@@ -146,13 +146,13 @@ def test_long_rows_are_batch_invariant_and_deterministic(op, rng):
 
     def run(rows, threads):
         if op == "layer_norm":
-            fwd = numpy_rows.layer_norm_forward_rows(rows, weight, bias, 1e-5, threads=threads)
-            bwd = numpy_rows.layer_norm_backward_rows(
+            fwd = numpy_path.layer_norm_forward_rows(rows, weight, bias, 1e-5, threads=threads)
+            bwd = numpy_path.layer_norm_backward_rows(
                 dy[: len(rows)], rows, *fwd[1:], weight, threads=threads, block_rows=2
             )
         else:
-            fwd = numpy_rows.rms_norm_forward_rows(rows, weight, 1e-6, threads=threads)
-            bwd = numpy_rows.rms_norm_backward_rows(
+            fwd = numpy_path.rms_norm_forward_rows(rows, weight, 1e-6, threads=threads)
+            bwd = numpy_path.rms_norm_backward_rows(
                 dy[: len(rows)], rows, fwd[1], weight, threads=threads, block_rows=2
             )
         return fwd, bwd

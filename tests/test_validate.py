@@ -211,7 +211,7 @@ def test_kernel_switched_off_by_every_off_value(monkeypatch, value):
     kernel = lnlib.show_config(file=False)["implementations"]["kernel"]
     assert not kernel["available"] and "LNLIB_CPU_KERNEL" in kernel["reason"]
     assert (
-        _backend.select("layer_norm_forward", np, np.float32).__module__ == "lnlib._cpu.numpy_rows"
+        _backend.select("layer_norm_forward", np, np.float32).__module__ == "lnlib._cpu.numpy_path"
     )
     with pytest.raises(RuntimeError, match="not available here: disabled by LNLIB_CPU_KERNEL"):
         with lnlib.use_implementation("kernel"):
@@ -256,7 +256,7 @@ def test_forced_implementations_compute_the_same(rng, name):
         and not lnlib.show_config(file=False)["implementations"]["kernel"]["available"]
     ):
         pytest.skip("compiled kernel not available")
-    modules = {"kernel": "lnlib._cpu.kernels", "numpy": "lnlib._cpu.numpy_rows"}
+    modules = {"kernel": "lnlib._cpu.c_kernel", "numpy": "lnlib._cpu.numpy_path"}
     modules["reference"] = "lnlib.reference"
     x = rng.standard_normal((5, 7))
     with lnlib.use_implementation(name):

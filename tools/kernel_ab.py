@@ -2,7 +2,7 @@
 
     python tools/kernel_ab.py A B [--flags "-mavx2 -DNORMS_NO_CLONES"] [--shapes 256x256,64x1024]
 
-Builds ``lnlib/kernels/norms_cpu.c`` as it is at revisions ``A`` and ``B`` (any git revision;
+Builds ``lnlib/_cpu/norms.c`` as it is at revisions ``A`` and ``B`` (any git revision;
 ``WORKTREE`` is the working tree) with the package's flags plus ``--flags``, loads both, and
 calls their kernels in turn, one thread, on the same rows: the ratio of the best times is robust
 to the machine's drift, which moves both alike. ``--flags "-mavx2 -DNORMS_NO_CLONES"`` builds
@@ -22,14 +22,22 @@ import numpy as np
 from cffi import FFI
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = "lnlib/kernels"
+KERNELS = "lnlib/_cpu"
+#: Where revisions before the layout by backend kept the kernel (main file norms_cpu.c).
+OLD_KERNELS = "lnlib/kernels"
 
 
 def _builder():
-    spec = importlib.util.spec_from_file_location("build_norms", ROOT / KERNELS / "build_norms.py")
+    spec = importlib.util.spec_from_file_location("lnlib_cpu_build", ROOT / KERNELS / "build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _has(rev, path):
+    """Whether git revision ``rev`` has the file ``path``."""
+    cmd = ["git", "-C", str(ROOT), "cat-file", "-e", f"{rev}:{path}"]
+    return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
 def build(rev, flags, where):
@@ -39,15 +47,16 @@ def build(rev, flags, where):
     if rev == "WORKTREE":
         files = {p.name: p.read_bytes() for p in (ROOT / KERNELS).glob("norms*.[ch]")}
     else:
+        folder = KERNELS if _has(rev, f"{KERNELS}/norms.c") else OLD_KERNELS
         names = subprocess.run(
-            ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{KERNELS}"],
+            ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{folder}"],
             check=True,
             capture_output=True,
             text=True,
         ).stdout.split()
         files = {
             n: subprocess.run(
-                ["git", "-C", str(ROOT), "show", f"{rev}:{KERNELS}/{n}"],
+                ["git", "-C", str(ROOT), "show", f"{rev}:{folder}/{n}"],
                 check=True,
                 capture_output=True,
             ).stdout
@@ -58,7 +67,8 @@ def build(rev, flags, where):
         (src / name).write_bytes(data)
     out = src / "norms.so"
     cmd = ["cc", *_builder().FLAGS, *flags, "-shared", "-fPIC", "-o", str(out)]
-    subprocess.run([*cmd, str(src / "norms_cpu.c"), "-lm"], check=True)
+    main = src / ("norms.c" if "norms.c" in files else "norms_cpu.c")
+    subprocess.run([*cmd, str(main), "-lm"], check=True)
     return out
 
 

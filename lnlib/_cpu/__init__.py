@@ -1,6 +1,6 @@
-"""CPU implementations of the row operations, plugged into :mod:`lnlib._backend`.
-
-:mod:`lnlib._cpu.numpy_rows` is the blocked NumPy fast path (every float dtype, no compiler);
-:mod:`lnlib._cpu.kernels` binds the compiled C kernel (float16, float32, float64). Both take
-rows ``(M, D)`` with the signatures listed in :mod:`lnlib._backend`.
+"""lnlib on the CPU: the C kernel's source (``norms.c``, ``norms.h``), its build script
+(``build.py``, run by setuptools), its binding and row implementations (:mod:`lnlib._cpu.c_kernel`,
+float16, float32, float64) and the blocked NumPy fast path (:mod:`lnlib._cpu.numpy_path`, every
+float dtype, no compiler). Both take rows ``(M, D)`` with the signatures listed in
+:mod:`lnlib._backend`.
 """

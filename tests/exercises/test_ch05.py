@@ -115,7 +115,7 @@ def lane_sum_lanes_in_dtype(x, lanes=16):
 
 
 _SHIM = """
-#include "norms_cpu.c"
+#include "norms.c"
 double lane_block_sum_f32(const float *x, ptrdiff_t n) { return row_sum_f32(x, n); }
 double lane_block_sum_f64(const double *x, ptrdiff_t n) { return row_sum_f64(x, n); }
 """
@@ -123,7 +123,7 @@ double lane_block_sum_f64(const double *x, ptrdiff_t n) { return row_sum_f64(x, 
 
 @pytest.fixture(scope="module")
 def kernel_block_sum(tmp_path_factory):
-    """The kernel's own row sum (static in norms_cpu.c), built once into a small library."""
+    """The kernel's own row sum (static in norms.c), built once into a small library."""
     import importlib.util
     import shutil
     import subprocess
@@ -132,8 +132,8 @@ def kernel_block_sum(tmp_path_factory):
 
     import cffi
 
-    kernel_dir = Path(ch05.__file__).resolve().parents[1] / "kernels"
-    spec = importlib.util.spec_from_file_location("build_norms", kernel_dir / "build_norms.py")
+    kernel_dir = Path(ch05.__file__).resolve().parents[1] / "_cpu"
+    spec = importlib.util.spec_from_file_location("lnlib_cpu_build", kernel_dir / "build.py")
     builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builder)
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]

@@ -1,7 +1,7 @@
 r"""The compiled C kernels behind the row signature of :mod:`lnlib._backend` (float16, float32,
 float64).
 
-The C source is ``lnlib/kernels/norms_cpu.c`` (declarations in ``norms.h``). It is compiled
+The C source is ``lnlib/_cpu/norms.c`` (declarations in ``norms.h``). It is compiled
 when the package is built (``pip install``, ``pip wheel``, the editable install of
 ``make env``) into the extension module ``lnlib._cpu._norms``, bound with cffi, which reads
 ``norms.h``: a call with a missing argument, or an array of the wrong dtype where the C
@@ -160,7 +160,7 @@ def _load():
 
 def _digest_problem(path):
     """Why the module at ``path`` must not be loaded, or None when its sha256 is the one
-    recorded beside it when it was built (``lnlib/kernels/build_norms.py``).
+    recorded beside it when it was built (``lnlib/_cpu/build.py``).
 
     A damaged library is not refused by the loader: it can kill the process inside
     ``dlopen`` (zeroed program headers: SIGSEGV) or at its first use (truncated: SIGBUS),
@@ -252,7 +252,7 @@ def info():
         "vector_bytes": None if lib is None else lib.norms_vector_bytes(),
         "float16": half,
         "flags": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
-        "source": "kernels/norms_cpu.c",
+        "source": "_cpu/norms.c",
     }
 
 

@@ -2,7 +2,7 @@
 //
 // Template arguments: T the element type (float, double, __half, __nv_bfloat16), R the threads
 // per row (32: a warp per row; up to 1024: a block per row) and MAXV the 16-byte vectors each
-// thread holds per row tile. lnlib/_cuda/kernels.py picks (R, MAXV) from d and T alone and
+// thread holds per row tile. lnlib/_cuda/build.py picks (R, MAXV) from d and T alone and
 // names the instantiation when it compiles the module (NVRTC name expressions).
 //
 // A row that fits in one tile (d <= R * MAXV * V) is read once into registers and written
@@ -11,7 +11,7 @@
 // Row arguments: x points at row 0, ldx is the distance between rows in elements. vec_ok says
 // that every row pointer is 16-byte aligned and d is a multiple of V: then chunks are moved as
 // vectors, otherwise element by element, with the same arithmetic either way.
-#include "norms_cuda.cuh"
+#include "norms.cuh"
 
 using lnlib::Acc;
 using lnlib::Stats;
@@ -237,7 +237,7 @@ __device__ __forceinline__ void param_grad_sum_body(const A* part, long long uni
     if (ty == 0 && col < d) out[col] = shm[0][tx];
 }
 
-// The kernels CuPy loads by name (lnlib/_cuda/kernels.py builds the name expressions).
+// The kernels CuPy loads by name (lnlib/_cuda/build.py builds the name expressions).
 template <typename T, int R, int MAXV>
 __global__ void __launch_bounds__(LNLIB_BLOCK(R))
 layer_norm_fwd(const T* x, long long ldx, T* y, long long ldy,

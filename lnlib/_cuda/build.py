@@ -1,6 +1,6 @@
-"""The CUDA kernels of ``lnlib/kernels/norms_cuda.cu``, compiled by CuPy at first use.
+"""The CUDA kernels of ``lnlib/_cuda/norms.cu``, compiled by CuPy at first use.
 
-The source is the header ``norms_cuda.cuh`` followed by ``norms_cuda.cu`` (pasted together here,
+The source is the header ``norms.cuh`` followed by ``norms.cu`` (pasted together here,
 so that CuPy's compile cache, keyed by the source text and the options, sees an edit of either
 file). Each (operation, dtype) pair is one ``cupy.RawModule`` with NVRTC name expressions for
 every launch shape it may need, compiled once per process on first use and cached on disk by
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
-HEADER = KERNEL_DIR / "norms_cuda.cuh"
-SOURCE = KERNEL_DIR / "norms_cuda.cu"
+KERNEL_DIR = Path(__file__).resolve().parent
+HEADER = KERNEL_DIR / "norms.cuh"
+SOURCE = KERNEL_DIR / "norms.cu"
 
 #: Options lnlib adds to CuPy's own (which add ``-ftz=true``, ``-arch=sm_XX`` and include
 #: paths): C++17, and no contraction of a multiply and an add into one rounding, so each
@@ -55,9 +55,9 @@ _modules = {}
 def source():
     """The CUDA source CuPy compiles: the header pasted in place of its ``#include``."""
     text = SOURCE.read_text()
-    include = '#include "norms_cuda.cuh"'
+    include = '#include "norms.cuh"'
     if include not in text:
-        raise RuntimeError(f"{SOURCE} no longer includes norms_cuda.cuh")
+        raise RuntimeError(f"{SOURCE} no longer includes norms.cuh")
     header = HEADER.read_text().replace("#pragma once\n", "", 1)
     return text.replace(include, header, 1)
 

@@ -1,9 +1,9 @@
 /* Row-wise LayerNorm and RMSNorm, forward and backward, for the CPU (declared in norms.h).
  *
  * Built into the extension module lnlib._cpu._norms when the package is built
- * (lnlib/kernels/build_norms.py); lnlib/_cpu/kernels.py calls it on chunks of rows, one
- * chunk per thread. Each kernel is written once, in norms_cpu_typed.h, and included below
- * for float and for double; the float16 kernels (norms_cpu_half.h, included last) convert
+ * (lnlib/_cpu/build.py); lnlib/_cpu/c_kernel.py calls it on chunks of rows, one
+ * chunk per thread. Each kernel is written once, in norms_typed.h, and included below
+ * for float and for double; the float16 kernels (norms_half.h, included last) convert
  * rows to float and call the float ones' row functions.
  *
  * A row is read from memory once: the first pass brings it into cache, the later passes
@@ -23,7 +23,7 @@
  *  - compiled with -ffp-contract=off, so no multiply-add is fused behind our back. On
  *    x86-64 each exported kernel is also compiled for AVX2 and AVX-512 (NORMS_KERNEL) and the
  *    loader picks the widest the CPU has; the lanes and their order are written out in the
- *    C, held in vectors of the width the CPU has (norms_cpu_lanes.h), so every width gives
+ *    C, held in vectors of the width the CPU has (norms_lanes.h), so every width gives
  *    the same bits (tests/test_cpu_kernels.py compares the builds and the widths).
  *
  * Book: chapter "Implementation", section "A compiled kernel".
@@ -76,13 +76,13 @@ enum { STREAM_BYTES = 8 << 20 };
 #endif
 
 /* The compiler's vector extension (GCC, Clang): the sums' lanes in vectors of the width the
- * CPU has (norms_cpu_lanes.h). Elsewhere, plain C loops over the same lanes. */
+ * CPU has (norms_lanes.h). Elsewhere, plain C loops over the same lanes. */
 #if defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 9) && !defined(NORMS_NO_VECTORS)
 #define NORMS_VECTORS 1
 #else
 #define NORMS_VECTORS 0
 #endif
-_Static_assert(LANES == 16, "the lanes' pairwise total halves 16 lanes (norms_cpu_lanes.h)");
+_Static_assert(LANES == 16, "the lanes' pairwise total halves 16 lanes (norms_lanes.h)");
 
 #define NORMS_PASTE_(a, b) a##b
 #define NORMS_PASTE(a, b) NORMS_PASTE_(a, b)
@@ -226,7 +226,7 @@ static void *stream_scratch(ptrdiff_t m, ptrdiff_t n, size_t size)
     return malloc(2 * (size_t)n * size);
 }
 
-/* What a pass sums (block_sums in norms_cpu_lanes.h), with g = dy weight: x - shift;
+/* What a pass sums (block_sums in norms_lanes.h), with g = dy weight: x - shift;
  * (x - shift)^2; both; g and g (x - shift); g (x - shift). */
 enum { SUM_X, SUM_XX, SUM_DEV, SUM_G, SUM_GXC };
 
@@ -260,7 +260,7 @@ void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
 #define T float
 #define TBYTES 4
 #define FN(name) name##_f32
-#include "norms_cpu_typed.h"
+#include "norms_typed.h"
 #undef T
 #undef TBYTES
 #undef FN
@@ -268,10 +268,10 @@ void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
 #define T double
 #define TBYTES 8
 #define FN(name) name##_f64
-#include "norms_cpu_typed.h"
+#include "norms_typed.h"
 #undef T
 #undef TBYTES
 #undef FN
 
 /* float16: rows converted to float, the float functions above, the outputs rounded back. */
-#include "norms_cpu_half.h"
+#include "norms_half.h"

@@ -1,34 +1,34 @@
-/* The kernels over one element type T, included by norms_cpu.c once per type with
+/* The kernels over one element type T, included by norms.c once per type with
  *   T       float or double
  *   FN(f)   the name f with the type's suffix (f_f32 or f_f64)
  * Sums over a row: LANES partial sums in T within a block of BLOCK elements, then the block
- * totals in float64, added pairwise (see norms_cpu.c); norms_cpu_lanes.h holds the lanes in
+ * totals in float64, added pairwise (see norms.c); norms_lanes.h holds the lanes in
  * vectors of the CPU's width. Rows up to PAIR_MAX long are taken two at a time: each pass
  * goes over the same block of both rows in one loop.
  */
 
-/* The block sums, once per vector width (norms_cpu_lanes.h); block_sums takes the width
- * chosen for this CPU (vector_bytes in norms_cpu.c). */
+/* The block sums, once per vector width (norms_lanes.h); block_sums takes the width
+ * chosen for this CPU (vector_bytes in norms.c). */
 #if NORMS_VECTORS
 #define VBYTES 64
 #define LW(name) FN(name##_v64)
-#include "norms_cpu_lanes.h"
+#include "norms_lanes.h"
 #undef LW
 #undef VBYTES
 #define VBYTES 32
 #define LW(name) FN(name##_v32)
-#include "norms_cpu_lanes.h"
+#include "norms_lanes.h"
 #undef LW
 #undef VBYTES
 #define VBYTES 16
 #define LW(name) FN(name##_v16)
-#include "norms_cpu_lanes.h"
+#include "norms_lanes.h"
 #undef LW
 #undef VBYTES
 #else
 #define VBYTES 0
 #define LW(name) FN(name##_v0)
-#include "norms_cpu_lanes.h"
+#include "norms_lanes.h"
 #undef LW
 #undef VBYTES
 #endif

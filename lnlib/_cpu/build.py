@@ -1,4 +1,4 @@
-"""Build the CPU kernels (``norms_cpu.c``) into the extension module ``lnlib._cpu._norms``.
+"""Build the CPU kernels (``norms.c``) into the extension module ``lnlib._cpu._norms``.
 
 setuptools runs this file when the package is built (``cffi_modules`` in ``setup.py``), so
 ``pip install .``, ``pip install git+...``, ``pip wheel .`` and the editable install compile the
@@ -8,9 +8,9 @@ binding against the kernel and a call with the wrong number or types of argument
 ``TypeError`` in Python instead of passing silently.
 
 The extension is optional: without a C compiler the build only warns, the package installs
-without it and lnlib runs its NumPy path (``lnlib._cpu.kernels.info()`` says why).
+without it and lnlib runs its NumPy path (``lnlib._cpu.c_kernel.info()`` says why).
 
-Run ``python lnlib/kernels/build_norms.py`` from the repository root to build it in place.
+Run ``python lnlib/_cpu/build.py`` from the repository root to build it in place.
 Either way the module's sha256 is recorded beside it (:func:`record_digest`).
 """
 
@@ -22,7 +22,7 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 MODULE = "lnlib._cpu._norms"
-#: The file beside the built module that holds its sha256 (``lnlib._cpu.kernels`` reads it).
+#: The file beside the built module that holds its sha256 (``lnlib._cpu.c_kernel`` reads it).
 DIGEST_FILE = "_norms.sha256"
 #: -ffp-contract=off: no fused multiply-add, each operation rounds as written, so results do
 #: not depend on the CPU; no -march for the same reason; -fno-math-errno lets sqrt inline.
@@ -58,15 +58,15 @@ ffibuilder.cdef(declarations())
 ffibuilder.set_source(
     MODULE,
     '#include "norms.h"',
-    sources=[_relative(HERE / "norms_cpu.c")],
+    sources=[_relative(HERE / "norms.c")],
     include_dirs=[_relative(HERE)],
     depends=[
         _relative(HERE / name)
         for name in (
             "norms.h",
-            "norms_cpu_typed.h",
-            "norms_cpu_lanes.h",
-            "norms_cpu_half.h",
+            "norms_typed.h",
+            "norms_lanes.h",
+            "norms_half.h",
         )
     ],
     extra_compile_args=FLAGS,

@@ -1,5 +1,5 @@
-/* The float16 kernels (declared in norms.h), included at the end of norms_cpu.c, after the
- * float instantiation of norms_cpu_typed.h, whose static row functions they call.
+/* The float16 kernels (declared in norms.h), included at the end of norms.c, after the
+ * float instantiation of norms_typed.h, whose static row functions they call.
  *
  * Definition: a float16 result is the float32 kernel's result on the inputs converted to
  * float (exact: every float16 is a float), with y and dx rounded once to float16, to nearest

@@ -1,7 +1,7 @@
-// Building blocks of the fused normalization kernels in norms_cuda.cu: element types, the
+// Building blocks of the fused normalization kernels in norms.cu: element types, the
 // row layout (which thread owns which elements), the Chan merge and the fixed reduction trees.
 //
-// Compiled by CuPy at first use (NVRTC, lnlib/_cuda/kernels.py) and, without a GPU, by the
+// Compiled by CuPy at first use (NVRTC, lnlib/_cuda/build.py) and, without a GPU, by the
 // test suite with nvcc and the same options (tests/test_cuda_compile.py).
 //
 // Row layout. A row of d elements is cut into chunks of V = 16 / sizeof(T) consecutive

@@ -1,6 +1,6 @@
 /* Row-wise LayerNorm and RMSNorm on the CPU, forward and backward: the functions that
- * lnlib/_cpu/kernels.py calls. cffi reads the declarations below (lines starting with '#'
- * are dropped) to build the binding, and norms_cpu.c includes this file, so the compiler
+ * lnlib/_cpu/c_kernel.py calls. cffi reads the declarations below (lines starting with '#'
+ * are dropped) to build the binding, and norms.c includes this file, so the compiler
  * checks that the definitions and the binding agree.
  *
  * Shapes (m rows of n elements; the suffix _f32 or _f64 is the element type T):
@@ -49,7 +49,7 @@ void rms_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *x, pt
                            const double *rstd, const double *weight, double *dx,
                            double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
 
-/* float16 (the _f16 kernels, norms_cpu_half.h): x, dy, y and dx hold IEEE binary16 bits
+/* float16 (the _f16 kernels, norms_half.h): x, dy, y and dx hold IEEE binary16 bits
  * (uint16_t); weight, bias, mean and rstd are float. Each row is converted to float, goes
  * through the float32 kernel's row functions, and y and dx are rounded to float16 once (to
  * nearest, ties to even): the results are exactly those of the _f32 kernel on the inputs

@@ -6,7 +6,7 @@ Rows are read in place when each row is contiguous and rows are a non-negative, 
 of elements apart (any row stride, so slices of a larger array cost no copy); any other layout
 is copied to contiguous rows first. The kernels move 16-byte vectors when every row is 16-byte
 aligned and the row length a multiple of the vector, element by element otherwise; both give
-bitwise the same results (see ``lnlib/kernels/norms_cuda.cuh``).
+bitwise the same results (see ``lnlib/_cuda/norms.cuh``).
 
 Derived in the book, chapter "Implementation", section "GPU kernels".
 """
@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from . import kernels
+from . import build
 
 _NULL = np.uintp(0)
 
@@ -84,7 +84,7 @@ def _forward(op, x, params, eps, with_mean):
     mean = cupy.empty(m, dtype=acc) if with_mean else None
     rstd = cupy.empty(m, dtype=acc)
     if m:
-        r, maxv, _tiles = kernels.launch_shape(op, x.dtype, d)
+        r, maxv, _tiles = build.launch_shape(op, x.dtype, d)
         vec_ok = _vec_ok(d, x.dtype, (x, ldx), (y, d))
         stats = (mean, rstd) if with_mean else (rstd,)
         args = (
@@ -99,8 +99,8 @@ def _forward(op, x, params, eps, with_mean):
             acc.type(eps),
             vec_ok,
         )
-        kernels.function(op, x.dtype, r, maxv)(
-            (kernels.grid("fwd", m, r),), (kernels.block_threads(r),), args
+        build.function(op, x.dtype, r, maxv)(
+            (build.grid("fwd", m, r),), (build.block_threads(r),), args
         )
     return (y, mean, rstd) if with_mean else (y, rstd)
 
@@ -110,7 +110,7 @@ def _column_sum(op, dtype, part):
     cupy = sys.modules["cupy"]
     units, d = part.shape
     out = cupy.empty(d, dtype=part.dtype)
-    fn = kernels.module(op, dtype).get_function(kernels.sum_name(dtype))
+    fn = build.module(op, dtype).get_function(build.sum_name(dtype))
     fn((-(-d // 32),), (1024,), (part, np.int64(units), np.int32(d), out))
     return out
 
@@ -127,9 +127,9 @@ def _backward(op, dy, x, stats, weight, with_bias):
     if m == 0:
         zeros = cupy.zeros(d, dtype=acc)
         return (dx, zeros, zeros.copy()) if with_bias else (dx, zeros)
-    r, maxv, tiles = kernels.launch_shape(op, x.dtype, d)
-    blocks = kernels.grid("bwd", m, r, d, tiles)
-    units = min(m, blocks * (kernels.block_threads(r) // r))
+    r, maxv, tiles = build.launch_shape(op, x.dtype, d)
+    blocks = build.grid("bwd", m, r, d, tiles)
+    units = min(m, blocks * (build.block_threads(r) // r))
     dw_part = cupy.empty((units, d), dtype=acc)
     db_part = cupy.empty((units, d), dtype=acc) if with_bias else None
     stats = tuple(cupy.ascontiguousarray(s, dtype=acc) for s in stats)
@@ -149,7 +149,7 @@ def _backward(op, dy, x, stats, weight, with_bias):
         np.int32(d),
         vec_ok,
     )
-    kernels.function(op, x.dtype, r, maxv)((blocks,), (kernels.block_threads(r),), args)
+    build.function(op, x.dtype, r, maxv)((blocks,), (build.block_threads(r),), args)
     return (dx, *(_column_sum(op, x.dtype, p) for p in parts))
 
 

@@ -1,5 +1,5 @@
 /* The sums over one block of a row (at most BLOCK elements), for one element type T and one
- * vector width, included by norms_cpu_typed.h once per width with
+ * vector width, included by norms_typed.h once per width with
  *   TBYTES  sizeof(T), for the preprocessor
  *   VBYTES  the bytes of one vector: 64 (AVX-512), 32 (AVX2), 16 (SSE2, NEON), or 0 for
  *           plain C without the compiler's vector extension (one T per "vector")
@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) double LW(total)(const LW(vec) *acc
 #endif
 }
 
-/* The sums of a pass (kind: SUM_X, ... in norms_cpu.c) over one block of n <= BLOCK elements
+/* The sums of a pass (kind: SUM_X, ... in norms.c) over one block of n <= BLOCK elements
  * of one row a (rows 1) or of two rows a and b (rows 2, the same block of each, in one loop,
  * so that the processor works on the rows' independent chains of additions side by side).
  * out[0], out[1]: the first sum of a and of b; out[2], out[3]: the second (SUM_DEV, SUM_G).
