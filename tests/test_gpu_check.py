@@ -44,3 +44,24 @@ def test_without_cupy_it_says_so_and_stops_with_a_summary(tmp_path):
     assert "missing Python packages:" in summary and "cupy" in summary
     assert "SKIP  every GPU step" in summary and "overall FAIL" in summary
     assert len(list(tmp_path.iterdir())) <= 7
+
+
+def test_it_runs_every_test_file_with_gpu_tests():
+    """Every test file with a test the ``gpu`` marker selects (the GPU tests and the CuPy
+    variants of the ``xp`` fixture) is in the check's list: a file left out never runs on a GPU."""
+    text = SCRIPT.read_text()
+    listed = set(re.findall(r"tests/test_\w+\.py", " ".join(re.findall(r"gpu_tests.*", text))))
+    listed |= set(re.findall(r"^\s+(tests/test_\w+\.py)", text, re.M))  # continuation lines
+    found = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests", "--ignore=tests/book", "--ignore=tests/pdf"]
+        + ["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert found.returncode == 0, found.stdout[-2000:] + found.stderr[-2000:]
+    with_gpu = {line.split("::")[0] for line in found.stdout.splitlines() if "::" in line}
+    assert {"tests/test_gpu.py", "tests/test_gpu_rows.py", "tests/test_layer_norm.py"} <= with_gpu
+    assert with_gpu <= listed, f"GPU tests the check does not run: {sorted(with_gpu - listed)}"

@@ -42,7 +42,8 @@ OPS = ("layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd")
 MIN_BLOCK = 128
 #: Grid size caps, in threads: enough blocks to fill any current GPU several times over. A
 #: constant, not the device's SM count, so parameter gradients group rows the same way on every
-#: GPU (they depend on the number of row groups; the row outputs never do).
+#: GPU (they depend on the number of row groups; the row outputs never do). Read at every launch
+#: (:func:`grid`): tests lower it so that a few units take many rows (tests/test_gpu_rows.py).
 GRID_THREADS = {"fwd": 1 << 19, "bwd": 1 << 18}
 #: Long rows (several tiles) keep their partial parameter gradients in memory: at most this many
 #: elements per partial buffer.

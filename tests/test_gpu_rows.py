@@ -1,0 +1,548 @@
+"""lnlib's CUDA row functions where the other GPU tests do not reach: parameter gradients
+accumulated over many rows per unit (the partial sums that one-tile rows keep in registers and
+the partial rows that long rows read, modify and write in memory), grid-stride loops of many
+passes, and bfloat16 forward and backward at several row lengths.
+
+Each check runs on the CUDA kernels (marker ``gpu``: skipped with the reason where CuPy or a GPU
+is missing, failing instead under ``LNLIB_REQUIRE_GPU=1``; ``make gpu-check`` runs them) and,
+on every machine, on :class:`KernelModel`, a NumPy model of the kernels' arithmetic and of how
+they share rows out to units. The model runs keep the checks tested without a GPU, and models
+with a flaw (a lost pass, a partial row not read back, ...) show that the checks fail a kernel
+that groups rows wrongly.
+
+Few units taking many rows: :data:`lnlib._cuda.build.GRID_THREADS` caps the grid and is read at
+every launch; the cases with ``grid_threads`` lower it (monkeypatch), so that one or two blocks
+take every row.
+
+bfloat16 arrays are passed as their bit patterns, uint16 arrays that the test maps to the
+bfloat16 kernels (``build.TYPE_NAMES``): CuPy holds bfloat16 arrays only where ml_dtypes is
+installed, which the GPU machine may lack. Where CuPy holds them, the bfloat16 dtype is checked
+to give the same bits.
+"""
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from conftest import _cupy_with_gpu
+from error_bounds import column_sum_bound, summand_errors
+
+from lnlib import reference
+from lnlib._cuda import build
+
+REQUIRE = os.environ.get("LNLIB_REQUIRE_GPU", "") == "1"
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+NORMS = ("layer_norm", "rms_norm")
+EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
+#: Largest error of a row result (y, dx) or a statistic (mean, rstd) against the float64
+#: reference, relative to the values' scale: twice the unit roundoff of the result's dtype for its
+#: rounding, plus the float32 arithmetic (tests/test_gpu.py allows the same 4e-5 for float32).
+ROW_TOL = {
+    "float64": 1e-10,
+    "float32": 4e-5,
+    "float16": 2 * 2.0**-11 + 4e-5,
+    "bfloat16": 2 * 2.0**-8 + 4e-5,
+}
+
+
+def acc_name(dtype):
+    """The accumulation dtype of the kernels for ``dtype`` (that of their statistics and
+    parameter gradients)."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+# bfloat16 as bit patterns ------------------------------------------------------------------
+
+
+def bf16_bits(a, xp):
+    """The bfloat16 numbers nearest the values of ``a`` (ties to even), as uint16 bit patterns."""
+    b = xp.ascontiguousarray(a, dtype=xp.float32).view(xp.uint32)
+    half = xp.uint32(0x7FFF) + ((b >> xp.uint32(16)) & xp.uint32(1))
+    return ((b + half) >> xp.uint32(16)).astype(xp.uint16)
+
+
+def bf16_values(bits, xp):
+    """The float32 values of bfloat16 bit patterns (exact)."""
+    return (bits.astype(xp.uint32) << xp.uint32(16)).view(xp.float32)
+
+
+def dtype_name(a):
+    """The dtype a row array holds: a uint16 array holds bfloat16 bit patterns."""
+    return "bfloat16" if a.dtype == np.uint16 else a.dtype.name
+
+
+class _Rows:
+    """Row functions under test and the moves of data to and from them (``xp`` arrays)."""
+
+    xp = np
+
+    def put(self, values, dtype):
+        """``values`` rounded to ``dtype`` (bfloat16: its bit patterns), on ``xp``."""
+        a = self.xp.asarray(values)
+        return bf16_bits(a, self.xp) if dtype == "bfloat16" else a.astype(dtype)
+
+    def get(self, a):
+        """The values of a row array, as float64 (exact)."""
+        if a.dtype == np.uint16:
+            a = bf16_values(a, self.xp)
+        return a.astype(self.xp.float64)
+
+
+class CudaRows(_Rows):
+    """lnlib's CUDA row functions (lnlib._cuda.cuda_kernel) on CuPy arrays."""
+
+    name = "cuda"
+
+    def __init__(self, cupy):
+        from lnlib._cuda import cuda_kernel
+
+        self.xp, self._kernel = cupy, cuda_kernel
+
+    def __call__(self, op, *args):
+        return getattr(self._kernel, f"{op}_rows")(*args)
+
+
+#: What a flawed KernelModel gets wrong (each a way to share rows out to units wrongly).
+FLAWS = (
+    "skips the last pass of the grid-stride loop",
+    "does not read a partial row back (long rows)",
+    "leaves the last unit out of the column sum",
+    "keeps the partial sums in the data's dtype",
+)
+
+
+class KernelModel(_Rows):
+    """A NumPy model of the CUDA kernels, standing in for them where no GPU is present.
+
+    The arithmetic is the kernels': statistics, ``xhat``, ``dx`` and the summands of the
+    parameter gradients in the accumulation dtype, results rounded to the data's dtype. The
+    parameter gradients are summed as the kernels do: the launch geometry of
+    :func:`geometry` (``lnlib._cuda.build``, so the hook on ``GRID_THREADS`` moves it too), unit
+    ``u`` adding rows ``u, u + units, u + 2 units, ...`` in that order, then the units added as
+    ``param_grad_sum`` does (32 lanes, lane ``l`` adding units ``l, l + 32, ...``, then a tree).
+    ``flaw`` (one of :data:`FLAWS`) makes it wrong on purpose.
+    """
+
+    name = "model"
+
+    def __init__(self, flaw=None):
+        assert flaw is None or flaw in FLAWS, flaw
+        self.flaw = flaw
+
+    def __call__(self, op, *args):
+        return getattr(self, op)(*args)
+
+    def layer_norm_forward(self, x, weight, bias, eps):
+        return self._forward(x, weight, bias, eps, center=True)
+
+    def rms_norm_forward(self, x, weight, eps):
+        y, _mean, rstd = self._forward(x, weight, None, eps, center=False)
+        return y, rstd
+
+    def layer_norm_backward(self, dy, x, mean, rstd, weight):
+        return self._backward("layer_norm", dy, x, mean, rstd, weight)
+
+    def rms_norm_backward(self, dy, x, rstd, weight):
+        return self._backward("rms_norm", dy, x, None, rstd, weight)[:2]
+
+    def _store(self, a, dtype):
+        return bf16_bits(a, np) if dtype == "bfloat16" else a.astype(dtype)
+
+    def _forward(self, x, weight, bias, eps, center):
+        dtype = dtype_name(x)
+        acc = np.dtype(acc_name(dtype))
+        xa = self.get(x).astype(acc)  # (M, D)
+        mean = xa.mean(axis=1, dtype=acc) if center else np.zeros(len(xa), acc)  # (M,)
+        xc = xa - mean[:, None]  # (M, D)
+        rstd = (1 / np.sqrt((xc * xc).mean(axis=1, dtype=acc) + acc.type(eps))).astype(acc)
+        y = xc * rstd[:, None]  # (M, D)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        return self._store(y, dtype), mean, rstd
+
+    def _backward(self, norm, dy, x, mean, rstd, weight):
+        dtype = dtype_name(x)
+        acc = np.dtype(acc_name(dtype))
+        m, d = x.shape
+        xa, dya = self.get(x).astype(acc), self.get(dy).astype(acc)  # (M, D)
+        mean = np.zeros(m, acc) if mean is None else mean
+        xh = (xa - mean[:, None]) * rstd[:, None]  # (M, D)
+        g = dya if weight is None else dya * weight  # (M, D)
+        c1 = g.sum(axis=1) / acc.type(d) if norm == "layer_norm" else np.zeros(m, acc)  # (M,)
+        c2 = (g * xh).sum(axis=1) / acc.type(d)  # (M,)
+        dx = rstd[:, None] * (g - c1[:, None] - xh * c2[:, None])  # (M, D)
+        geo = geometry(norm, dtype, m, d)
+        done = m
+        if self.flaw == FLAWS[0]:
+            done = geo.units * (geo.most - 1)
+            dx[done:] = 0
+        sums = (
+            self._param_grad(dya * xh, dtype, geo, done),
+            self._param_grad(dya, dtype, geo, done),
+        )
+        return self._store(dx, dtype), *sums
+
+    def _param_grad(self, terms, dtype, geo, done):
+        """Column sums of ``terms`` (M, D) the kernels' way: partial sums per unit, then lanes."""
+        acc = terms.dtype
+        part = np.zeros((geo.units, terms.shape[1]), acc)  # (units, D)
+        for lo in range(0, done, geo.units):  # a pass of the grid-stride loop: a row per unit
+            rows = terms[lo : min(lo + geo.units, done)]
+            if self.flaw == FLAWS[1] and geo.tiles > 1:
+                part[: len(rows)] = rows
+            else:
+                part[: len(rows)] += rows
+            if self.flaw == FLAWS[3]:
+                part = self.get(self._store(part, dtype)).astype(acc)
+        units = geo.units - 1 if self.flaw == FLAWS[2] else geo.units
+        lanes = np.zeros((32, terms.shape[1]), acc)  # (32, D)
+        for q in range(0, units, 32):
+            block = part[q : min(q + 32, units)]
+            lanes[: len(block)] += block
+        for half in (16, 8, 4, 2, 1):
+            lanes[:half] += lanes[half : 2 * half]
+        return lanes[0]
+
+
+# Launch geometry and the cases --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Geometry:
+    tiles: int  # row tiles of the backward (more than 1: partial rows kept in memory)
+    units: int  # row groups of the backward, each with its own partial parameter gradients
+    most: int  # rows of the busiest unit
+    fewest: int  # rows of the idlest unit
+    forward_passes: int  # passes of the forward's grid-stride loop
+
+
+def geometry(norm, dtype, m, d):
+    """How the kernels of ``norm`` share ``m`` rows of ``d`` elements out, launched as
+    lnlib._cuda.cuda_kernel launches them (units: ``min(m, blocks * rows per block)``)."""
+    r, _maxv, _tiles = build.launch_shape(f"{norm}_fwd", dtype, d)
+    per_pass = build.grid("fwd", m, r) * (build.block_threads(r) // r)
+    r, _maxv, tiles = build.launch_shape(f"{norm}_bwd", dtype, d)
+    units = min(m, build.grid("bwd", m, r, d, tiles) * (build.block_threads(r) // r))
+    return Geometry(tiles, units, -(-m // units), m // units, -(-m // per_pass))
+
+
+@dataclass(frozen=True)
+class Case:
+    d: int
+    m: int
+    grid_threads: tuple  # (forward, backward) caps for build.GRID_THREADS; None: as shipped
+    path: str  # where the partial sums live: "registers" (one-tile rows) or "memory"
+
+    def __str__(self):
+        cap = "" if self.grid_threads is None else f"-grid{self.grid_threads[1]}"
+        return f"d{self.d}-m{self.m}{cap}"
+
+
+#: Every case has several rows per unit with some units one row short (the last pass only part
+#: full) and forward passes; test_each_case_reaches_what_it_is_for checks it for every dtype.
+#: Rows of 99 and 20001 elements are not whole 16-byte vectors: they take the element-wise loads.
+CASES = (
+    Case(768, 20000, None, "registers"),  # float32: 4096 units of 4-5 rows, 3 forward passes
+    Case(20000, 1100, None, "memory"),  # float32: 3 tiles, 512 units of 2-3 rows
+    Case(99, 1003, (256, 256), "registers"),  # a warp per row, 4 rows a block: 8 units
+    Case(768, 1001, (128, 256), "registers"),  # float32: 4 units of 250-251 rows, 501 passes
+    Case(20001, 45, (1024, 1024), "memory"),  # 2 units of 22-23 rows, 45 forward passes
+)
+#: The large cases (no grid cap) the model runs too: one, the largest partial sums (CPU time);
+#: the GPU runs them all, for every norm and dtype.
+LARGE = {CASES[0], CASES[1]}
+MODEL_LARGE = {(CASES[0], "layer_norm", "float32")}
+
+
+def _cap_grid(monkeypatch, case):
+    if case.grid_threads is not None:
+        monkeypatch.setitem(build.GRID_THREADS, "fwd", case.grid_threads[0])
+        monkeypatch.setitem(build.GRID_THREADS, "bwd", case.grid_threads[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_each_case_reaches_what_it_is_for(monkeypatch, case, dtype):
+    _cap_grid(monkeypatch, case)
+    for norm in NORMS:
+        geo = geometry(norm, dtype, case.m, case.d)
+        what = f"{norm} {dtype} {case}: {geo}"
+        assert (geo.tiles > 1) == (case.path == "memory"), what
+        assert geo.most >= 2 and geo.fewest < geo.most, what
+        assert geo.forward_passes >= 2, what
+
+
+# The checks ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_rows(monkeypatch):
+    """CudaRows, with uint16 arrays mapped to the bfloat16 kernels."""
+    cupy, reason = _cupy_with_gpu()
+    if cupy is None:
+        if REQUIRE:
+            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but {reason}")
+        pytest.skip(f"needs CuPy and a CUDA GPU: {reason}")
+    monkeypatch.setitem(build.TYPE_NAMES, "uint16", build.TYPE_NAMES["bfloat16"])
+    monkeypatch.setitem(build.ITEMSIZE, "uint16", build.ITEMSIZE["bfloat16"])
+    return CudaRows(cupy)
+
+
+def _rows(kind, request):
+    return KernelModel() if kind == "model" else request.getfixturevalue("cuda_rows")
+
+
+KINDS = ("model", pytest.param("cuda", marks=pytest.mark.gpu))
+
+
+def _scale(xp, want):
+    return max(1.0, float(xp.max(xp.abs(want))))
+
+
+def _close(rows, got, want, tol, what):
+    """``got`` (a row array) within ``tol`` times the scale of ``want`` (float64)."""
+    xp = rows.xp
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    err = float(xp.max(xp.abs(rows.get(got) - want)))
+    assert err <= tol * _scale(xp, want), f"{what}: max error {err:.3g} > {tol:.3g} x scale"
+
+
+def _within(rows, got, want, bound, what):
+    """``got`` within ``bound`` (per element, float64) of ``want``."""
+    xp = rows.xp
+    excess = xp.abs(rows.get(got) - want) - bound
+    worst = int(xp.argmax(excess))
+    assert float(excess[worst]) <= 0, (
+        f"{what}: {int(xp.count_nonzero(excess > 0))} of {want.size} columns outside the bound; "
+        f"column {worst}: error {float(abs(rows.get(got)[worst] - want[worst])):.3g}, "
+        f"bound {float(bound[worst]):.3g}"
+    )
+
+
+def _exact(rows, got, want, what):
+    xp = rows.xp
+    bad = int(xp.count_nonzero(rows.get(got) != want))
+    err = float(xp.max(xp.abs(rows.get(got) - want)))
+    assert bad == 0, (
+        f"{what}: {bad} of {want.size} columns differ from the exact sum (max {err:.3g})"
+    )
+
+
+@dataclass
+class Exact:
+    """Rows whose parameter gradients every order of float32 additions gets exactly: x, dy and
+    weight on a grid of 1/8, the backward's mean on that grid and its rstd a power of two (near
+    the row's own), so every x - mean, xhat and dy * xhat is exact in float32 and every partial
+    sum over rows is too (checked below: under 2**24 steps of the summands' grid). Any result of
+    the kernels that differs from the exact sum lost, repeated or misplaced a row.
+    Arrays of ``xp``, float64; the values are exact in bfloat16, float16 and float32."""
+
+    x: object
+    dy: object
+    weight: object
+    bias: object
+    mean: object  # the statistics handed to the backward
+    rstd: object
+
+
+def exact_data(xp, m, d, norm, seed=25):
+    rng = np.random.default_rng(seed)
+    shift = 3.0 if norm == "layer_norm" else 0.0  # a mean far from zero tests the variance
+    x = rng.integers(-24, 25, (m, d), dtype=np.int8) / 8 + shift  # (M, D)
+    dy = rng.integers(-8, 9, (m, d), dtype=np.int8) / 8  # (M, D)
+    weight, bias = (rng.integers(-16, 17, d) / 8 for _ in range(2))
+    true_mean = x.mean(axis=1) if norm == "layer_norm" else np.zeros(m)
+    mean = np.round(true_mean * 8) / 8  # (M,)
+    spread = np.sqrt(((x - true_mean[:, None]) ** 2).mean(axis=1))
+    rstd = 2.0 ** np.round(-np.log2(spread))  # (M,)
+    step = 2.0**-6 * rstd.min()  # every dy * xhat is a multiple of step
+    largest = np.abs(x - mean[:, None]).max() * rstd.max() * np.abs(dy).max()
+    assert largest * m / step < 2**24, "partial sums would not be exact in float32"
+    arrays = (x, dy, weight, bias, mean, rstd)
+    return Exact(*(xp.asarray(a) for a in arrays))
+
+
+_cache = {}
+
+
+def exact_case(xp, case, norm):
+    """The data of ``case`` and its float64 reference results (the last case's kept only)."""
+    key = (xp.__name__, case.m, case.d, norm)
+    if key not in _cache:
+        _cache.clear()
+        data = exact_data(xp, case.m, case.d, norm)
+        if norm == "layer_norm":
+            fwd = reference.layer_norm_forward(data.x, data.weight, data.bias, eps=EPS[norm])
+            back = reference.layer_norm_backward(data.dy, data.x, data.mean, data.rstd, data.weight)
+        else:
+            fwd = reference.rms_norm_forward(data.x, data.weight, eps=EPS[norm])
+            back = reference.rms_norm_backward(data.dy, data.x, data.rstd, data.weight)
+        _cache[key] = data, fwd, back
+    return _cache[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_cache():
+    yield
+    _cache.clear()
+
+
+def check_many_rows_per_unit(rows, case, norm, dtype):
+    """Forward and backward of ``case`` on ``rows``: y, mean, rstd and dx against the float64
+    reference within ROW_TOL, dweight and dbias equal to the exact sums (Exact)."""
+    data, fwd, back = exact_case(rows.xp, case, norm)
+    acc = acc_name(dtype)
+    x, dy = rows.put(data.x, dtype), rows.put(data.dy, dtype)
+    weight, bias = rows.put(data.weight, acc), rows.put(data.bias, acc)
+    mean, rstd = rows.put(data.mean, acc), rows.put(data.rstd, acc)
+    what = f"{rows.name} {norm} {dtype} {case}"
+    if norm == "layer_norm":
+        got = rows("layer_norm_forward", x, weight, bias, EPS[norm])
+        names = ("y", "mean", "rstd")
+        back_got = rows("layer_norm_backward", dy, x, mean, rstd, weight)
+        back_names = ("dx", "dweight", "dbias")
+    else:
+        got = rows("rms_norm_forward", x, weight, EPS[norm])
+        names = ("y", "rstd")
+        back_got = rows("rms_norm_backward", dy, x, rstd, weight)
+        back_names = ("dx", "dweight")
+    assert dtype_name(got[0]) == dtype and dtype_name(back_got[0]) == dtype, what
+    for a, want, name in zip(got, fwd, names):
+        _close(rows, a, want, ROW_TOL[dtype if name == "y" else acc], f"{what} {name}")
+    _close(rows, back_got[0], back[0], ROW_TOL[dtype], f"{what} dx")
+    for a, want, name in zip(back_got[1:], back[1:], back_names[1:]):
+        assert dtype_name(a) == acc, f"{what} {name}: {a.dtype}"
+        _exact(rows, a, want, f"{what} {name}")
+
+
+def _many_rows_params():
+    params = []
+    for case in CASES:
+        for norm in NORMS:
+            for dtype in DTYPES:
+                for kind in ("model", "cuda"):
+                    if kind == "model" and case in LARGE and (case, norm, dtype) not in MODEL_LARGE:
+                        continue
+                    marks = [pytest.mark.gpu] if kind == "cuda" else []
+                    ident = f"{kind}-{norm}-{dtype}-{case}"
+                    params.append(pytest.param(kind, case, norm, dtype, marks=marks, id=ident))
+    return params
+
+
+@pytest.mark.parametrize("kind,case,norm,dtype", _many_rows_params())
+def test_parameter_gradients_over_many_rows_per_unit(request, monkeypatch, kind, case, norm, dtype):
+    """Every output of the forward and the backward when units take many rows: dweight and
+    dbias exact, the rest within the dtype's rounding."""
+    rows = _rows(kind, request)
+    _cap_grid(monkeypatch, case)
+    check_many_rows_per_unit(rows, case, norm, dtype)
+
+
+#: For each flaw: a case and dtype where it changes the results, and the first result it spoils.
+FLAWED = (
+    pytest.param(FLAWS[0], CASES[3], "float32", "dx", id="lost-pass"),
+    pytest.param(FLAWS[1], CASES[4], "float32", "dweight", id="no-read-back"),
+    pytest.param(FLAWS[2], CASES[2], "float16", "dweight", id="lost-unit"),
+    pytest.param(FLAWS[3], CASES[3], "bfloat16", "dweight", id="bfloat16-partials"),
+)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("flaw,case,dtype,spoilt", FLAWED)
+def test_the_check_fails_a_kernel_that_shares_rows_out_wrongly(
+    monkeypatch, flaw, case, dtype, spoilt, norm
+):
+    """The model with a flaw fails check_many_rows_per_unit, at the result the flaw spoils."""
+    _cap_grid(monkeypatch, case)
+    with pytest.raises(AssertionError, match=f"{norm} {dtype} {case} {spoilt}:"):
+        check_many_rows_per_unit(KernelModel(flaw), case, norm, dtype)
+
+
+# bfloat16 at several row lengths -------------------------------------------------------------
+
+
+def check_bfloat16(rows, norm, d):
+    """bfloat16 forward and backward of ``norm`` on rows of ``d`` against the float64 reference:
+    y, dx, mean and rstd within ROW_TOL, dweight and dbias within the bound that float32
+    accumulation gives (tests/error_bounds.py), from the statistics the forward returned."""
+    xp = rows.xp
+    m = max(2, min(48, 2**21 // d))
+    rng = np.random.default_rng(d)
+    shift = 3.0 if norm == "layer_norm" else 1.0
+    x_bits = rows.put(rng.standard_normal((m, d)) + shift, "bfloat16")  # (M, D)
+    dy_bits = rows.put(rng.standard_normal((m, d)), "bfloat16")
+    weight = rows.put(rng.standard_normal(d), "float32")
+    bias = rows.put(rng.standard_normal(d), "float32")
+    x, dy, w64, b64 = (rows.get(a) for a in (x_bits, dy_bits, weight, bias))  # exact values
+    what = f"{rows.name} {norm} bfloat16 d={d}"
+    if norm == "layer_norm":
+        y, mean, rstd = rows("layer_norm_forward", x_bits, weight, bias, EPS[norm])
+        y_ref, mean_ref, rstd_ref = reference.layer_norm_forward(x, w64, b64, eps=EPS[norm])
+        _close(rows, mean, mean_ref, ROW_TOL["float32"], f"{what} mean")
+        dx, dweight, dbias = rows("layer_norm_backward", dy_bits, x_bits, mean, rstd, weight)
+        back = reference.layer_norm_backward(dy, x, mean_ref, rstd_ref, w64)
+        mean_err = xp.abs(rows.get(mean) - mean_ref)[:, None]  # (M, 1)
+    else:
+        y, rstd = rows("rms_norm_forward", x_bits, weight, EPS[norm])
+        y_ref, rstd_ref = reference.rms_norm_forward(x, w64, eps=EPS[norm])
+        dx, dweight = rows("rms_norm_backward", dy_bits, x_bits, rstd, weight)
+        back = reference.rms_norm_backward(dy, x, rstd_ref, w64)
+        mean_ref, mean_err = xp.zeros(m), 0.0
+    assert dtype_name(y) == "bfloat16" and dtype_name(dx) == "bfloat16", what
+    _close(rows, y, y_ref, ROW_TOL["bfloat16"], f"{what} y")
+    _close(rows, rstd, rstd_ref, ROW_TOL["float32"], f"{what} rstd")
+    _close(rows, dx, back[0], ROW_TOL["bfloat16"], f"{what} dx")
+    rstd_err = xp.abs(rows.get(rstd) / rstd_ref - 1)[:, None]  # (M, 1)
+    mu, r = mean_ref[:, None], rstd_ref[:, None]
+    errors = summand_errors(dy, x, mu, r, mean_err, rstd_err, "float32")
+    bound = column_sum_bound(dy * (x - mu) * r, errors, "float32")
+    _within(rows, dweight, back[1], bound, f"{what} dweight")
+    if norm == "layer_norm":
+        _within(rows, dbias, back[2], column_sum_bound(dy, 0.0, "float32"), f"{what} dbias")
+
+
+@pytest.mark.parametrize("d", [96, 768, 1000, 4096, 20000])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_forward_and_backward(request, kind, norm, d):
+    check_bfloat16(_rows(kind, request), norm, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [768, 20000])
+def test_bfloat16_arrays_give_the_bits_of_their_bit_patterns(cuda_rows, d):
+    """Where CuPy holds bfloat16 arrays (ml_dtypes), lnlib's row functions on them give the
+    bits that the bit-pattern arrays of the tests above give."""
+    cupy = cuda_rows.xp
+    try:
+        import ml_dtypes
+
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        cupy.asarray(np.zeros(2, bf16))
+    except Exception as exc:  # noqa: BLE001 - CuPy builds without bfloat16 arrays
+        pytest.skip(f"CuPy cannot hold bfloat16 arrays here ({type(exc).__name__}: {exc})")
+    rng = np.random.default_rng(7)
+    bits = [bf16_bits(rng.standard_normal((8, d)), np) for _ in range(2)]
+    weight, bias = (cupy.asarray(rng.standard_normal(d), dtype=cupy.float32) for _ in range(2))
+
+    def run(x, dy):
+        y, mean, rstd = cuda_rows("layer_norm_forward", x, weight, bias, 1e-5)
+        back = cuda_rows("layer_norm_backward", dy, x, mean, rstd, weight)
+        y2, rstd2 = cuda_rows("rms_norm_forward", x, weight, 1e-6)
+        back2 = cuda_rows("rms_norm_backward", dy, x, rstd2, weight)
+        return [
+            cupy.asnumpy(a).view(np.uint16 if a.itemsize == 2 else a.dtype)
+            for a in (y, mean, rstd, *back, y2, rstd2, *back2)
+        ]
+
+    as_bits = run(*(cupy.asarray(b) for b in bits))
+    as_dtype = run(*(cupy.asarray(b.view(bf16)) for b in bits))
+    for a, b, name in zip(
+        as_dtype,
+        as_bits,
+        ("y", "mean", "rstd", "dx", "dw", "db", "rms y", "rms rstd", "rms dx", "rms dw"),
+    ):
+        assert a.tobytes() == b.tobytes(), f"{name}: the bfloat16 dtype gives other bits"
