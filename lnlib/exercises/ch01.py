@@ -64,7 +64,8 @@ def check_batch_normalize(fn: Callable[..., Any]) -> CheckResult:
 
     ``x`` has shape (N, C); each column (feature) is normalized with the mean and the biased
     variance of that column over the N rows, with ``eps`` inside the square root. The output
-    has the shape and dtype of ``x``.
+    has the shape and dtype of ``x``. One case (float64 columns with mean 1e8 and spread 1)
+    rejects the one-pass variance ``mean(x*x) - mean(x)**2``.
     """
     rng = _rng()
     cases = [
@@ -85,6 +86,15 @@ def check_batch_normalize(fn: Callable[..., Any]) -> CheckResult:
             atol=1e-5,
         ),
         Case("eps = 0.5 passed as a keyword", (rng.normal(size=(4, 3)),), {"eps": 0.5}),
+        # mean(x*x) - mean(x)**2 cancels here even in float64: its relative error is about
+        # u (mean/spread)^2 = 1.1e-16 * 1e16, of order 1. Two passes lose only the rounding
+        # of the mean (about 1e-8 here), hence the looser tolerance.
+        Case(
+            "float64 columns with mean 1e8 and spread 1, where mean(x*x) - mean(x)**2 cancels",
+            (1e8 + rng.normal(size=(16, 3)),),
+            rtol=1e-6,
+            atol=1e-6,
+        ),
     ]
     return check(
         fn, _ref_batch_normalize, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "batch_normalize")
@@ -143,7 +153,8 @@ def check_running_update(fn: Callable[..., Any]) -> CheckResult:
     ``x`` has shape (N, C) and the running statistics shape (C,). The update is
     ``new = (1 - momentum) * old + momentum * batch_statistic``, where the batch variance is
     the unbiased one (divided by N - 1), as in PyTorch. The function must return new arrays
-    and leave its inputs unchanged.
+    and leave its inputs unchanged. One case (a float64 batch with mean 1e8 and spread 1)
+    rejects the one-pass variance ``mean(x*x) - mean(x)**2``.
     """
     rng = _rng()
     c = 3
@@ -168,6 +179,13 @@ def check_running_update(fn: Callable[..., Any]) -> CheckResult:
             (np.zeros(c), np.ones(c), rng.normal(size=(32, c)) + 10),
             {"momentum": 0.01},
         ),
+        # As in check_batch_normalize: the one-pass variance is of order-1 wrong here in any dtype.
+        Case(
+            "float64 batch with mean 1e8 and spread 1, where mean(x*x) - mean(x)**2 cancels",
+            (np.zeros(c), np.ones(c), 1e8 + rng.normal(size=(16, c))),
+            rtol=1e-6,
+            atol=1e-6,
+        ),
     ]
     return check(
         fn, _ref_running_update, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "running_update")
@@ -185,9 +203,9 @@ def _ref_fold(W, b, running_mean, running_var, gamma, beta, eps=1e-5):
 def check_fold_eval_batch_norm(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(W, b, running_mean, running_var, gamma, beta, eps=1e-5) -> (W2, b2)``.
 
-    The linear layer ``z = x @ W.T + b`` (``W``: (C, D), ``b``: (C,)) followed by BatchNorm in
-    evaluation mode equals one linear layer ``x @ W2.T + b2``; the function returns ``W2``
-    (C, D) and ``b2`` (C,).
+    The linear layer ``x @ W.T + b`` (``W``: (C, D_in), its bias ``b``: (C,)) followed by
+    BatchNorm in evaluation mode equals one linear layer ``x @ W2.T + b2``; the function
+    returns ``W2`` (C, D_in) and ``b2`` (C,).
     """
     rng = _rng()
 
@@ -235,10 +253,10 @@ def check_fold_eval_batch_norm(fn: Callable[..., Any]) -> CheckResult:
 
 
 def _ref_masked_step_stats(a, lengths):
-    _, t, h = a.shape
-    mean, var = np.empty((t, h)), np.empty((t, h))
+    _, t, d = a.shape
+    mean, var = np.empty((t, d)), np.empty((t, d))
     for s in range(t):
-        rows = a[lengths > s, s]  # (active, H): the sequences that have a step s
+        rows = a[lengths > s, s]  # (active, D): the sequences that have a step s
         mean[s] = rows.mean(axis=0)
         var[s] = ((rows - mean[s]) ** 2).mean(axis=0)
     return mean, var
@@ -247,17 +265,17 @@ def _ref_masked_step_stats(a, lengths):
 def check_masked_step_stats(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(a, lengths) -> (mean, var)``: batch statistics per time step, padding excluded.
 
-    ``a`` has shape (N, T, D): the pre-activations of N sequences, padded to length T;
-    ``lengths`` (N,) holds integers with ``1 <= lengths[i] <= T`` and ``max(lengths) == T``.
-    At step ``t`` only the sequences with ``lengths[i] > t`` count. ``mean`` and ``var``
-    (biased) have shape (T, H).
+    ``a`` has shape (N, T, D): the summed inputs of the D units of a recurrent layer for N
+    sequences, padded to length T; ``lengths`` (N,) holds integers with
+    ``1 <= lengths[i] <= T`` and ``max(lengths) == T``. At step ``t`` only the sequences with
+    ``lengths[i] > t`` count. ``mean`` and ``var`` (biased) have shape (T, D).
     """
     rng = _rng()
 
-    def padded(lengths, h, fill=0.0):
+    def padded(lengths, d, fill=0.0):
         lengths = np.asarray(lengths)
         t = int(lengths.max())
-        a = rng.normal(size=(len(lengths), t, h))
+        a = rng.normal(size=(len(lengths), t, d))
         for i, n in enumerate(lengths):
             a[i, n:] = fill
         return a, lengths

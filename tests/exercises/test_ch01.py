@@ -53,7 +53,57 @@ def test_statistics_over_the_wrong_axis_fail():
         return batch_normalize(x.T, eps).T
 
     result = ch01.check_batch_normalize(per_row)
-    assert not result and len(result.failures) == 6
+    assert not result and len(result.failures) == 7
+
+
+def test_one_pass_variance_fails_in_float64_too():
+    def one_pass(x, eps=1e-5):
+        mean = x.mean(axis=0)
+        var = (x * x).mean(axis=0) - mean**2
+        with np.errstate(invalid="ignore"):
+            return ((x - mean) / np.sqrt(var + eps)).astype(x.dtype)
+
+    result = ch01.check_batch_normalize(one_pass)
+    assert [f.index for f in result.failures] == [7]
+    assert "1e8" in result.failures[0].description
+
+    def one_pass_running(running_mean, running_var, x, momentum=0.1):
+        n = x.shape[0]
+        mean = x.mean(axis=0)
+        var = ((x * x).mean(axis=0) - mean**2) * n / (n - 1)
+        return (
+            (1 - momentum) * running_mean + momentum * mean,
+            (1 - momentum) * running_var + momentum * var,
+        )
+
+    result = ch01.check_running_update(one_pass_running)
+    assert [f.index for f in result.failures] == [6]
+    assert "output[1]" in result.failures[0].reason
+
+
+def test_sequential_sums_pass_the_large_mean_cases():
+    # The float64 cases with mean 1e8 reject the one-pass formula, not a correct two-pass
+    # answer whose sums are taken in another order than NumPy's.
+    def sequential_mean(x):
+        total = np.zeros(x.shape[1:])
+        for row in x:
+            total = total + row
+        return total / x.shape[0]
+
+    def batch_normalize_seq(x, eps=1e-5):
+        mean = sequential_mean(x)
+        return ((x - mean) / np.sqrt(((x - mean) ** 2).mean(axis=0) + eps)).astype(x.dtype)
+
+    def running_update_seq(running_mean, running_var, x, momentum=0.1):
+        mean = sequential_mean(x)
+        var = ((x - mean) ** 2).sum(axis=0) / (x.shape[0] - 1)
+        return (
+            (1 - momentum) * running_mean + momentum * mean,
+            (1 - momentum) * running_var + momentum * var,
+        )
+
+    assert ch01.check_batch_normalize(batch_normalize_seq)
+    assert ch01.check_running_update(running_update_seq)
 
 
 def test_sign_without_eps_passes_only_for_rows_far_apart():
@@ -69,7 +119,7 @@ def test_biased_running_variance_fails():
         )
 
     result = ch01.check_running_update(biased)
-    assert [f.index for f in result.failures] == [1, 2, 4, 5]
+    assert [f.index for f in result.failures] == [1, 2, 4, 5, 6]
     assert "output[1]" in result.failures[0].reason
 
 
