@@ -1,12 +1,15 @@
 r"""Small layer objects for building NumPy networks in the exercises.
 
-Each layer holds its parameters and, after :meth:`backward`, their gradients (``dweight``,
-``dbias``, ...), and remembers what its last :meth:`forward` saved. A forward/backward pair is
-one step: call ``backward`` after the ``forward`` whose gradient you want.
+Each layer holds its parameters (``weight``, ``bias``, ...) and, after :meth:`backward`, their
+gradients (``dweight``, ``dbias``, ...; None for a parameter the layer does not hold), and
+remembers what its last :meth:`forward` saved. A forward/backward pair is one step: call
+``backward`` after the ``forward`` whose gradient you want. Calling a layer calls its
+``forward``.
 """
 
 import numpy as np
 
+from ._docs import doc
 from ._validate import normalized_shape_value, weight_offset_value
 from .ada_norm import (
     ada_layer_norm_backward,
@@ -23,11 +26,63 @@ from .rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh"]
 
-_shape = normalized_shape_value  # int or sequence of ints -> tuple, checked
+_FORWARD = r"""Compute the layer on ``x`` with :func:`lnlib.{0}`; save what backward needs.
+
+    Parameters
+    ----------
+    x : ndarray
+        Shape ``{1}``, floating.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        {2}
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`lnlib.{0}`.
+    """
+
+_BACKWARD = r"""Backward of the last :meth:`forward` (:func:`lnlib.{0}`); also stores {1}.
+
+    Parameters
+    ----------
+    dy : ndarray, shape of the last forward's ``x``
+        Gradient of the loss with respect to the last forward's output.
+
+    Returns
+    -------
+    dx : ndarray, shape and dtype of ``x``
+        Gradient of the loss with respect to the last forward's input.
+
+    Raises
+    ------
+    RuntimeError
+        No forward has been run.
+    TypeError, ValueError
+        As for :func:`lnlib.{0}`.
+    """
 
 
-class _Saved:
-    """Mixin: what the last forward saved, with a clear error if backward comes first."""
+def _filled(shape, dtype, value):
+    """A parameter of ``shape`` filled with ``value``; None (not held) where ``value`` is."""
+    return None if value is None else np.full(shape, value, dtype)
+
+
+def _norm_setup(layer, normalized_shape, eps, elementwise_affine, dtype, weight_offset):
+    """Set what LayerNorm and RMSNorm share: the shape, ``eps``, the checked offset and the
+    weight (``1 - weight_offset``; None without ``elementwise_affine``)."""
+    layer.normalized_shape = normalized_shape_value(normalized_shape)
+    layer.eps = eps
+    affine = True if elementwise_affine else None
+    layer.weight_offset = weight_offset_value(weight_offset, affine)
+    start = 1 - layer.weight_offset if affine else None
+    layer.weight = _filled(layer.normalized_shape, dtype, start)
+
+
+class _Layer:
+    """What the layers here share: ``backward`` takes what the last ``forward`` saved."""
 
     _saved = None
 
@@ -36,8 +91,15 @@ class _Saved:
             raise RuntimeError(f"{type(self).__name__}.backward called before forward")
         return self._saved
 
+    def _keep(self, dx, dweight, dbias):
+        """Store ``dweight`` and ``dbias``, None for a parameter the layer does not hold; return
+        ``dx``."""
+        self.dweight = dweight if self.weight is not None else None
+        self.dbias = dbias if self.bias is not None else None
+        return dx
 
-class LayerNorm(_Saved):
+
+class LayerNorm(_Layer):
     r"""LayerNorm over the trailing ``normalized_shape`` axes, with weight and bias.
 
     Parameters
@@ -46,22 +108,13 @@ class LayerNorm(_Saved):
         Shape of the trailing axes normalized over (D values in all).
     eps : float, default 1e-5
         Added to the variance inside the square root.
-    elementwise_affine : bool, default True
-        Whether to hold a weight (ones) and, if ``bias``, a bias (zeros).
-    bias : bool, default True
-        Whether to hold a bias (with ``elementwise_affine``).
+    elementwise_affine, bias : bool, default True
+        Whether to hold a weight :math:`\gamma` and, with it, a bias :math:`\beta` (zeros).
     dtype : dtype, default float32
         Dtype of the parameters.
     weight_offset : float, default 0.0
         Keyword only. The scale is ``weight_offset + weight``; the weight starts at
         ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``).
-
-    Attributes
-    ----------
-    weight, bias : ndarray of shape ``normalized_shape``, or None
-        The parameters :math:`\gamma` and :math:`\beta`.
-    dweight, dbias : ndarray or None
-        Gradients from the last :meth:`backward`.
 
     Notes
     -----
@@ -78,84 +131,32 @@ class LayerNorm(_Saved):
         *,
         weight_offset=0.0,
     ):
-        self.normalized_shape = normalized_shape_value(normalized_shape)
-        self.eps = eps
-        self.weight_offset = weight_offset_value(
-            weight_offset, True if elementwise_affine else None
-        )
-        self.weight = (
-            np.full(self.normalized_shape, 1 - self.weight_offset, dtype)
-            if elementwise_affine
-            else None
-        )
-        self.bias = np.zeros(self.normalized_shape, dtype) if elementwise_affine and bias else None
+        _norm_setup(self, normalized_shape, eps, elementwise_affine, dtype, weight_offset)
+        held = elementwise_affine and bias
+        self.bias = _filled(self.normalized_shape, dtype, 0.0 if held else None)
         self.dweight = self.dbias = None
 
+    @doc(_FORWARD, "layer_norm_forward", "(*lead, *normalized_shape)", "The normalized input.")
     def forward(self, x):
-        r"""Normalize ``x`` with :func:`lnlib.layer_norm_forward`; save what backward needs.
-
-        Parameters
-        ----------
-        x : ndarray
-            Shape ``(*lead, *normalized_shape)``, floating.
-
-        Returns
-        -------
-        y : ndarray, shape and dtype of ``x``
-            The normalized input.
-
-        Raises
-        ------
-        TypeError, ValueError
-            As for :func:`lnlib.layer_norm_forward`.
-        """
+        ndim, offset = len(self.normalized_shape), self.weight_offset
         y, mean, rstd = layer_norm_forward(
-            x,
-            self.weight,
-            self.bias,
-            eps=self.eps,
-            normalized_ndim=len(self.normalized_shape),
-            weight_offset=self.weight_offset,
+            x, self.weight, self.bias, eps=self.eps, normalized_ndim=ndim, weight_offset=offset
         )
         self._saved = (x, mean, rstd)
         return y
 
+    @doc(_BACKWARD, "layer_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
-        r"""Backward of the last :meth:`forward` (:func:`lnlib.layer_norm_backward`).
-
-        Parameters
-        ----------
-        dy : ndarray, shape of the last forward's ``x``
-            Gradient of the loss with respect to the last forward's output.
-
-        Returns
-        -------
-        dx : ndarray, shape and dtype of ``x``
-            Gradient of the loss with respect to the last forward's input.
-
-        Raises
-        ------
-        RuntimeError
-            No forward has been run.
-        TypeError, ValueError
-            As for :func:`lnlib.layer_norm_backward`.
-
-        Notes
-        -----
-        Also stores ``dweight`` and ``dbias`` (None for a parameter the layer does not hold).
-        """
         x, mean, rstd = self._take()
-        dx, dweight, dbias = layer_norm_backward(
-            dy, x, mean, rstd, self.weight, weight_offset=self.weight_offset
+        offset = self.weight_offset
+        return self._keep(
+            *layer_norm_backward(dy, x, mean, rstd, self.weight, weight_offset=offset)
         )
-        self.dweight = dweight if self.weight is not None else None
-        self.dbias = dbias if self.bias is not None else None
-        return dx
 
     __call__ = forward
 
 
-class RMSNorm(_Saved):
+class RMSNorm(_Layer):
     """RMSNorm over the trailing ``normalized_shape`` axes, with a weight (gain).
 
     Parameters
@@ -186,70 +187,20 @@ class RMSNorm(_Saved):
         *,
         weight_offset=0.0,
     ):
-        self.normalized_shape = normalized_shape_value(normalized_shape)
-        self.eps = eps
-        self.weight_offset = weight_offset_value(
-            weight_offset, True if elementwise_affine else None
-        )
-        self.weight = (
-            np.full(self.normalized_shape, 1 - self.weight_offset, dtype)
-            if elementwise_affine
-            else None
-        )
+        _norm_setup(self, normalized_shape, eps, elementwise_affine, dtype, weight_offset)
         self.dweight = None
 
+    @doc(_FORWARD, "rms_norm_forward", "(*lead, *normalized_shape)", "The rescaled input.")
     def forward(self, x):
-        r"""Normalize ``x`` with :func:`lnlib.rms_norm_forward`; save what backward needs.
-
-        Parameters
-        ----------
-        x : ndarray
-            Shape ``(*lead, *normalized_shape)``, floating.
-
-        Returns
-        -------
-        y : ndarray, shape and dtype of ``x``
-            The rescaled input.
-
-        Raises
-        ------
-        TypeError, ValueError
-            As for :func:`lnlib.rms_norm_forward`.
-        """
+        ndim, offset = len(self.normalized_shape), self.weight_offset
         y, rstd = rms_norm_forward(
-            x,
-            self.weight,
-            eps=self.eps,
-            normalized_ndim=len(self.normalized_shape),
-            weight_offset=self.weight_offset,
+            x, self.weight, eps=self.eps, normalized_ndim=ndim, weight_offset=offset
         )
         self._saved = (x, rstd)
         return y
 
+    @doc(_BACKWARD, "rms_norm_backward", "``dweight``")
     def backward(self, dy):
-        r"""Backward of the last :meth:`forward` (:func:`lnlib.rms_norm_backward`).
-
-        Parameters
-        ----------
-        dy : ndarray, shape of the last forward's ``x``
-            Gradient of the loss with respect to the last forward's output.
-
-        Returns
-        -------
-        dx : ndarray, shape and dtype of ``x``
-            Gradient of the loss with respect to the last forward's input.
-
-        Raises
-        ------
-        RuntimeError
-            No forward has been run.
-        TypeError, ValueError
-            As for :func:`lnlib.rms_norm_backward`.
-
-        Notes
-        -----
-        Also stores ``dweight`` (None without a weight).
-        """
         x, rstd = self._take()
         dx, dweight = rms_norm_backward(dy, x, rstd, self.weight, weight_offset=self.weight_offset)
         self.dweight = dweight if self.weight is not None else None
@@ -258,7 +209,7 @@ class RMSNorm(_Saved):
     __call__ = forward
 
 
-class AdaLN(_Saved):
+class AdaLN(_Layer):
     """Adaptive LayerNorm with its conditioning layer (adaLN-Zero by default), as in DiT.
 
     ``forward(x, c)`` maps the conditioning ``c`` (B, cond_dim) to shift, scale and gate
@@ -285,12 +236,8 @@ class AdaLN(_Saved):
 
     Attributes
     ----------
-    weight : ndarray (cond_dim, 3 * dim)
-        Weight of the conditioning layer.
-    bias : ndarray (3 * dim,)
-        Its bias.
-    dweight, dbias : ndarray or None
-        Gradients from the last :meth:`backward`.
+    weight, bias : ndarray (cond_dim, 3 * dim) and (3 * dim,)
+        Weight and bias of the conditioning layer; ``dweight``, ``dbias`` their gradients.
 
     Notes
     -----
@@ -335,7 +282,7 @@ class AdaLN(_Saved):
         return y, gate
 
     def backward(self, dy, dgate=None):
-        r"""Backward of the last :meth:`forward`: ``(dx, dc)`` from the gradients of its outputs.
+        r"""Backward of the last :meth:`forward`: ``(dx, dc)``; also stores ``dweight``, ``dbias``.
 
         Parameters
         ----------
@@ -358,10 +305,6 @@ class AdaLN(_Saved):
         TypeError, ValueError
             As for :func:`lnlib.ada_layer_norm_backward` and
             :func:`lnlib.adaln_modulation_backward`.
-
-        Notes
-        -----
-        Also stores ``dweight`` and ``dbias``.
         """
         x, c, mean, rstd, scale, expand = self._take()
         dx, dshift, dscale = ada_layer_norm_backward(dy, x, mean, rstd, scale)
@@ -379,7 +322,7 @@ class AdaLN(_Saved):
     __call__ = forward
 
 
-class BatchNorm(_Saved):
+class BatchNorm(_Layer):
     """BatchNorm over (N, C, ...) with running statistics, for comparison with LayerNorm.
 
     Parameters
@@ -399,7 +342,7 @@ class BatchNorm(_Saved):
     ----------
     training : bool
         True (the default) uses batch statistics and updates the running ones; set with
-        :meth:`train` and :meth:`eval`.
+        :meth:`train` and :meth:`eval`. A backward runs in the mode its forward ran in.
     running_mean, running_var : ndarray (C,)
         Running statistics (zeros and ones at the start).
 
@@ -410,8 +353,8 @@ class BatchNorm(_Saved):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype=np.float32):
         self.eps, self.momentum = eps, momentum
-        self.weight = np.ones(num_features, dtype) if affine else None
-        self.bias = np.zeros(num_features, dtype) if affine else None
+        self.weight = _filled(num_features, dtype, 1.0 if affine else None)
+        self.bias = _filled(num_features, dtype, 0.0 if affine else None)
         self.running_mean = np.zeros(num_features, dtype)
         self.running_var = np.ones(num_features, dtype)
         self.training = True
@@ -443,71 +386,24 @@ class BatchNorm(_Saved):
         """
         return self.train(False)
 
+    @doc(_FORWARD, "batch_norm_forward", "(N, C, ...)", "The normalized input.")
     def forward(self, x):
-        r"""Normalize ``x`` with :func:`lnlib.batch_norm_forward` in the current mode.
-
-        Parameters
-        ----------
-        x : ndarray
-            Shape ``(N, C, ...)``, floating.
-
-        Returns
-        -------
-        y : ndarray, shape and dtype of ``x``
-            The normalized input (in training the running statistics are updated).
-
-        Raises
-        ------
-        TypeError, ValueError
-            As for :func:`lnlib.batch_norm_forward`.
-        """
+        state = (self.running_mean, self.running_var, self.weight, self.bias)
         y, mean, rstd = batch_norm_forward(
-            x,
-            self.running_mean,
-            self.running_var,
-            self.weight,
-            self.bias,
-            training=self.training,
-            momentum=self.momentum,
-            eps=self.eps,
+            x, *state, training=self.training, momentum=self.momentum, eps=self.eps
         )
         self._saved = (x, mean, rstd, self.training)
         return y
 
+    @doc(_BACKWARD, "batch_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
-        r"""Backward of the last :meth:`forward`, in the mode it ran in.
-
-        Parameters
-        ----------
-        dy : ndarray, shape of the last forward's ``x``
-            Gradient of the loss with respect to the last forward's output.
-
-        Returns
-        -------
-        dx : ndarray, shape and dtype of ``x``
-            Gradient of the loss with respect to the last forward's input.
-
-        Raises
-        ------
-        RuntimeError
-            No forward has been run.
-        TypeError, ValueError
-            As for :func:`lnlib.batch_norm_backward`.
-
-        Notes
-        -----
-        Also stores ``dweight`` and ``dbias`` (None when not ``affine``).
-        """
         x, mean, rstd, training = self._take()
-        dx, dweight, dbias = batch_norm_backward(dy, x, mean, rstd, self.weight, training=training)
-        self.dweight = dweight if self.weight is not None else None
-        self.dbias = dbias if self.bias is not None else None
-        return dx
+        return self._keep(*batch_norm_backward(dy, x, mean, rstd, self.weight, training=training))
 
     __call__ = forward
 
 
-class GroupNorm(_Saved):
+class GroupNorm(_Layer):
     """GroupNorm over (N, C, ...) with a per-channel weight and bias, like ``torch.nn.GroupNorm``.
 
     Parameters
@@ -523,13 +419,6 @@ class GroupNorm(_Saved):
     dtype : dtype, default float32
         Dtype of the parameters.
 
-    Attributes
-    ----------
-    weight, bias : ndarray of shape (C,), or None
-        Per-channel gain and bias.
-    dweight, dbias : ndarray or None
-        Gradients from the last :meth:`backward`.
-
     Notes
     -----
     Covered in :doc:`/book/04_variants`, section "The family by axes".
@@ -542,66 +431,25 @@ class GroupNorm(_Saved):
                 f"num_groups must be >= 1 and divide num_channels = "
                 f"{self.num_channels}, got {num_groups}"
             )
-        self.weight = np.ones(self.num_channels, dtype) if affine else None
-        self.bias = np.zeros(self.num_channels, dtype) if affine else None
+        self.weight = _filled(self.num_channels, dtype, 1.0 if affine else None)
+        self.bias = _filled(self.num_channels, dtype, 0.0 if affine else None)
         self.dweight = self.dbias = None
 
+    @doc(_FORWARD, "group_norm_forward", "(N, C, ...)", "The normalized input.")
     def forward(self, x):
-        r"""Normalize ``x`` with :func:`lnlib.group_norm_forward`; save what backward needs.
-
-        Parameters
-        ----------
-        x : ndarray
-            Shape ``(N, C, ...)``, floating.
-
-        Returns
-        -------
-        y : ndarray, shape and dtype of ``x``
-            The normalized input.
-
-        Raises
-        ------
-        TypeError, ValueError
-            As for :func:`lnlib.group_norm_forward`.
-        """
         y, mean, rstd = group_norm_forward(x, self.num_groups, self.weight, self.bias, eps=self.eps)
         self._saved = (x, mean, rstd)
         return y
 
+    @doc(_BACKWARD, "group_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
-        r"""Backward of the last :meth:`forward` (:func:`lnlib.group_norm_backward`).
-
-        Parameters
-        ----------
-        dy : ndarray, shape of the last forward's ``x``
-            Gradient of the loss with respect to the last forward's output.
-
-        Returns
-        -------
-        dx : ndarray, shape and dtype of ``x``
-            Gradient of the loss with respect to the last forward's input.
-
-        Raises
-        ------
-        RuntimeError
-            No forward has been run.
-        TypeError, ValueError
-            As for :func:`lnlib.group_norm_backward`.
-
-        Notes
-        -----
-        Also stores ``dweight`` and ``dbias`` (None when not ``affine``).
-        """
         x, mean, rstd = self._take()
-        dx, dweight, dbias = group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight)
-        self.dweight = dweight if self.weight is not None else None
-        self.dbias = dbias if self.bias is not None else None
-        return dx
+        return self._keep(*group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight))
 
     __call__ = forward
 
 
-class DynamicTanh(_Saved):
+class DynamicTanh(_Layer):
     """Dynamic Tanh, ``y = weight * tanh(alpha * x) + bias`` over the last axis (DyT).
 
     Parameters
@@ -620,10 +468,6 @@ class DynamicTanh(_Saved):
     alpha : ndarray of shape ()
         The learned scalar. An array of shape (1,), as the DyT authors' checkpoints store it,
         may be assigned instead; ``dalpha`` then has that shape.
-    weight, bias : ndarray of shape (D,), or None
-        Gain and bias.
-    dalpha, dweight, dbias : ndarray or None
-        Gradients from the last :meth:`backward`.
 
     Notes
     -----
@@ -631,67 +475,27 @@ class DynamicTanh(_Saved):
     """
 
     def __init__(self, normalized_shape, alpha_init=0.5, elementwise_affine=True, dtype=np.float32):
-        self.normalized_shape = _shape(normalized_shape)
+        self.normalized_shape = normalized_shape_value(normalized_shape)
         if len(self.normalized_shape) != 1:
             raise ValueError(
                 f"normalized_shape must be one size (the last axis), got {normalized_shape}"
             )
         self.alpha = np.array(alpha_init, dtype=dtype)
-        self.weight = np.ones(self.normalized_shape, dtype) if elementwise_affine else None
-        self.bias = np.zeros(self.normalized_shape, dtype) if elementwise_affine else None
+        shape = self.normalized_shape
+        self.weight = _filled(shape, dtype, 1.0 if elementwise_affine else None)
+        self.bias = _filled(shape, dtype, 0.0 if elementwise_affine else None)
         self.dalpha = self.dweight = self.dbias = None
 
+    @doc(_FORWARD, "dynamic_tanh", "(..., D)", "``weight * tanh(alpha * x) + bias``.")
     def forward(self, x):
-        r"""Apply :func:`lnlib.dynamic_tanh`; save ``x`` for the backward.
-
-        Parameters
-        ----------
-        x : ndarray
-            Shape ``(..., D)``, floating.
-
-        Returns
-        -------
-        y : ndarray, shape and dtype of ``x``
-            ``weight * tanh(alpha * x) + bias``.
-
-        Raises
-        ------
-        TypeError, ValueError
-            As for :func:`lnlib.dynamic_tanh`.
-        """
         y = dynamic_tanh(x, self.alpha, self.weight, self.bias)
         self._saved = (x,)
         return y
 
+    @doc(_BACKWARD, "dynamic_tanh_backward", "``dalpha``, ``dweight``, ``dbias``")
     def backward(self, dy):
-        r"""Backward of the last :meth:`forward` (:func:`lnlib.dynamic_tanh_backward`).
-
-        Parameters
-        ----------
-        dy : ndarray, shape of the last forward's ``x``
-            Gradient of the loss with respect to the last forward's output.
-
-        Returns
-        -------
-        dx : ndarray, shape and dtype of ``x``
-            Gradient of the loss with respect to the last forward's input.
-
-        Raises
-        ------
-        RuntimeError
-            No forward has been run.
-        TypeError, ValueError
-            As for :func:`lnlib.dynamic_tanh_backward`.
-
-        Notes
-        -----
-        Also stores ``dalpha``, ``dweight`` and ``dbias`` (None for a parameter the layer
-        does not hold).
-        """
         (x,) = self._take()
         dx, self.dalpha, dweight, dbias = dynamic_tanh_backward(dy, x, self.alpha, self.weight)
-        self.dweight = dweight if self.weight is not None else None
-        self.dbias = dbias if self.bias is not None else None
-        return dx
+        return self._keep(dx, dweight, dbias)
 
     __call__ = forward

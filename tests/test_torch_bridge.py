@@ -1,5 +1,6 @@
 """lnlib inside PyTorch: autograd functions and nn.Module drop-ins."""
 
+import itertools
 import subprocess
 import sys
 
@@ -10,12 +11,13 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
+import lnlib  # noqa: E402
 from lnlib import torch_bridge as tb  # noqa: E402
 
 
 def _double(*shape, seed=0, scale=1.0, shift=0.0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift
+    return torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift
 
 
 def test_import_lnlib_does_not_import_torch():
@@ -181,7 +183,10 @@ def _second_derivative_paths(fn, x):
     torch.autograd.functional.hessian(lambda v: (fn(v) ** 3).sum(), x)
 
 
-@pytest.mark.parametrize("which", ["layer_norm", "rms_norm", "LayerNorm", "RMSNorm"])
+SECOND = ["layer_norm", "rms_norm", "group_norm", "dynamic_tanh"]
+
+
+@pytest.mark.parametrize("which", SECOND + ["LayerNorm", "RMSNorm", "GroupNorm", "DynamicTanh"])
 def test_second_derivatives_raise_instead_of_returning_zeros(which):
     """Issue 8: create_graph=True and hessian gave None or zeros through the bridge."""
     x = _double(3, 5, seed=20).requires_grad_()
@@ -189,8 +194,12 @@ def test_second_derivatives_raise_instead_of_returning_zeros(which):
     fn = {
         "layer_norm": lambda v: tb.layer_norm(v, (5,), w),
         "rms_norm": lambda v: tb.rms_norm(v, 5, w, eps=1e-6),
+        "group_norm": lambda v: tb.group_norm(v, 1, w),
+        "dynamic_tanh": lambda v: tb.dynamic_tanh(v, torch.tensor(0.7), w),
         "LayerNorm": tb.LayerNorm(5, dtype=torch.float64),
         "RMSNorm": tb.RMSNorm(5, eps=1e-6, dtype=torch.float64),
+        "GroupNorm": tb.GroupNorm(5, 5, dtype=torch.float64),
+        "DynamicTanh": tb.DynamicTanh(5, dtype=torch.float64),
     }[which]
     with pytest.raises(RuntimeError, match="not differentiable \\(no double backward\\)"):
         _second_derivative_paths(fn, x)
@@ -239,3 +248,70 @@ def test_zero_centred_modules_start_as_the_plain_ones():
         torch.testing.assert_close(mod(x), plain(x), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="weight_offset"):
         tb.LayerNorm(7, elementwise_affine=False, weight_offset=1.0)
+
+
+# Each Function of the bridge through its function: the call, the shape of x, the inputs that
+# can get gradients after x (the float ones are DynamicTanh's alpha, of shape ()).
+FUNCTIONS = {
+    "layer_norm": (lambda x, w, b: tb.layer_norm(x, 6, w, b), (4, 6), ((6,), (6,))),
+    "rms_norm": (lambda x, w: tb.rms_norm(x, 6, w, eps=1e-6), (4, 6), ((6,),)),
+    "group_norm": (lambda x, w, b: tb.group_norm(x, 2, w, b), (4, 6, 3), ((6,), (6,))),
+    "dynamic_tanh": (lambda x, a, w, b: tb.dynamic_tanh(x, a, w, b), (4, 6), ((), (6,), (6,))),
+}
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_each_input_gets_its_gradient_only_where_torch_asks(name):
+    """The one backward maps lnlib's gradients to the inputs of each Function (GroupNorm's
+    num_groups and DynamicTanh's alpha sit between x and the parameters): for every subset of
+    inputs that require grad, exactly those get a gradient, bit for bit the one they get when
+    all of them require it."""
+    fn, shape, param_shapes = FUNCTIONS[name]
+    values = [_double(*shape, seed=40)]
+    values += [_double(*s, seed=41 + i, shift=0.5) for i, s in enumerate(param_shapes)]
+    dy = _double(*shape, seed=49)
+
+    def grads(wants):
+        inputs = [v.clone().requires_grad_(want) for v, want in zip(values, wants)]
+        fn(*inputs).backward(dy)
+        return [t.grad for t in inputs]
+
+    full = grads([True] * len(values))
+    assert all(g is not None for g in full)
+    for wants in itertools.product([False, True], repeat=len(values)):
+        if not any(wants):
+            continue
+        for want, got, ref in zip(wants, grads(wants), full):
+            if want:
+                torch.testing.assert_close(got, ref, rtol=0, atol=0)
+            else:
+                assert got is None
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "group_norm", "dynamic_tanh"])
+def test_each_gradient_is_cast_to_the_dtype_of_its_own_input(name):
+    """A float32 bias beside a bfloat16 x and weight gets lnlib's float32 gradient exactly,
+    not one rounded through bfloat16 first (the dtype of the weight)."""
+    fn, shape, param_shapes = FUNCTIONS[name]
+    bf16 = torch.bfloat16
+    x = _double(*shape, seed=50).to(bf16).requires_grad_()
+    params = [_double(*s, seed=51 + i, shift=0.5) for i, s in enumerate(param_shapes)]
+    params = [p.to(bf16) for p in params[:-1]] + [params[-1].float()]
+    params = [p.requires_grad_() for p in params]
+    dy = _double(*shape, seed=59).to(bf16)
+    fn(x, *params).backward(dy)
+    bias = params[-1]
+    assert x.grad.dtype == bf16 and bias.grad.dtype == torch.float32
+    # the same backward on the float32 arrays the bridge hands to lnlib
+    args = [t.detach().float().numpy() for t in (dy, x, *params[:-1])]
+    if name == "layer_norm":
+        y, mean, rstd = lnlib.layer_norm_forward(args[1], args[2])
+        dbias = lnlib.layer_norm_backward(args[0], args[1], mean, rstd, args[2])[2]
+    elif name == "group_norm":
+        y, mean, rstd = lnlib.group_norm_forward(args[1], 2, args[2])
+        dbias = lnlib.group_norm_backward(args[0], args[1], mean, rstd, 2, args[2])[2]
+    else:
+        dbias = lnlib.dynamic_tanh_backward(args[0], args[1], args[2], args[3])[3]
+    assert dbias.dtype == np.float32
+    torch.testing.assert_close(bias.grad, torch.from_numpy(dbias), rtol=0, atol=0)
+    assert not torch.equal(bias.grad, bias.grad.to(bf16).float()), "not a bfloat16 value"
