@@ -7,11 +7,11 @@ returns a :class:`~lnlib.exercises.CheckResult`.
 ==================================  ===================================================
 checker                             the reader writes
 ==================================  ===================================================
-:func:`check_residual_block`        ``fn(x, f, placement, eps=1e-5) -> y``: one residual
+:func:`check_residual_block`        ``fn(h, f, placement, eps=1e-5) -> y``: one residual
                                     block with the norm in the place ``placement`` names
 :func:`check_scaling_exponent`      ``fn(depths, grad_norms) -> p``: the exponent of a
                                     power law ``grad_norm ~ depth**p`` fitted in log-log
-:func:`check_adaln_zero_block`      ``fn(x, c, f, weight, bias, eps=1e-6) -> y``: a
+:func:`check_adaln_zero_block`      ``fn(h, c, f, weight, bias, eps=1e-6) -> y``: a
                                     residual block conditioned through adaLN-Zero
 :func:`check_td_targets`            ``fn(rewards, q_next, dones, gamma) -> targets``
 :func:`check_outlier_features`      ``fn(x, factor=6.0) -> indices`` of outlier features
@@ -82,23 +82,23 @@ class _Sublayer:
 # ------------------------------------------------------- exercise: where the norm sits
 
 
-def _ref_residual_block(x, f, placement, eps=1e-5):
+def _ref_residual_block(h, f, placement, eps=1e-5):
     if placement == "post":
-        return layer_norm(x + f(x), eps=eps)
+        return layer_norm(h + f(h), eps=eps)
     if placement == "pre":
-        return x + f(layer_norm(x, eps=eps))
+        return h + f(layer_norm(h, eps=eps))
     if placement == "peri":
-        return x + layer_norm(f(layer_norm(x, eps=eps)), eps=eps)
+        return h + layer_norm(f(layer_norm(h, eps=eps)), eps=eps)
     raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
 
 def check_residual_block(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(x, f, placement, eps=1e-5) -> y``: one residual block, three placements.
+    """Check ``fn(h, f, placement, eps=1e-5) -> y``: one residual block, three placements.
 
-    ``x`` has shape (B, D) and ``f`` maps (B, D) to (B, D). With ``LN`` a LayerNorm without
-    gain or bias (:func:`lnlib.layer_norm`) over the last axis, ``placement`` is ``"post"``:
-    ``LN(x + f(x))``; ``"pre"``: ``x + f(LN(x))``; ``"peri"``: ``x + LN(f(LN(x)))``. Any
-    other placement raises ValueError.
+    ``h``, the residual stream, has shape (B, D) and ``f`` maps (B, D) to (B, D). With ``LN`` a
+    LayerNorm without gain or bias (:func:`lnlib.layer_norm`) over the last axis, ``placement``
+    is ``"post"``: ``LN(h + f(h))``; ``"pre"``: ``h + f(LN(h))``; ``"peri"``:
+    ``h + LN(f(LN(h)))``. Any other placement raises ValueError.
     """
     rng = _rng()
     f8, f16 = _Sublayer(8, 1), _Sublayer(16, 2, scale=5.0)
@@ -164,19 +164,19 @@ def check_scaling_exponent(fn: Callable[..., Any]) -> CheckResult:
 # ------------------------------------------------------------ exercise: an adaLN-Zero block
 
 
-def _ref_adaln_zero_block(x, c, f, weight, bias, eps=1e-6):
+def _ref_adaln_zero_block(h, c, f, weight, bias, eps=1e-6):
     shift, scale, gate = adaln_modulation(c, weight, bias)  # each (B, D)
-    return x + gate * f(ada_layer_norm(x, shift, scale, eps=eps))
+    return h + gate * f(ada_layer_norm(h, shift, scale, eps=eps))
 
 
 def check_adaln_zero_block(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(x, c, f, weight, bias, eps=1e-6) -> y``: a block conditioned through adaLN.
+    """Check ``fn(h, c, f, weight, bias, eps=1e-6) -> y``: a block conditioned through adaLN.
 
-    ``x`` is (B, D), ``c`` is (B, C), ``weight`` is (C, 3 D) and ``bias`` is (3 D,). The block
-    computes ``shift, scale, gate = split(SiLU(c) @ weight + bias, 3)`` (as
-    :func:`lnlib.adaln_modulation`) and returns ``x + gate * f(LN(x) * (1 + scale) + shift)``
-    with a LayerNorm without gain or bias. With adaLN-Zero's initialisation (``weight`` and
-    ``bias`` zero) the block is the identity.
+    ``h``, the residual stream, is (B, D), ``c`` is (B, D_c), ``weight`` is (D_c, 3 D) and
+    ``bias`` is (3 D,). The block computes ``shift, scale, gate = split(SiLU(c) @ weight + bias,
+    3)`` (as :func:`lnlib.adaln_modulation`) and returns
+    ``h + gate * f(LN(h) * (1 + scale) + shift)`` with a LayerNorm without gain or bias. With
+    adaLN-Zero's initialisation (``weight`` and ``bias`` zero) the block is the identity.
     """
     rng = _rng()
     b, d, cdim = 5, 8, 3
@@ -185,7 +185,7 @@ def check_adaln_zero_block(fn: Callable[..., Any]) -> CheckResult:
     w, bias = rng.normal(size=(cdim, 3 * d)) * 0.5, rng.normal(size=3 * d) * 0.5
     zero_w, zero_b = np.zeros((cdim, 3 * d)), np.zeros(3 * d)
     cases = [
-        Case("adaLN-Zero initialisation: the block must return x", (x, c, f, zero_w, zero_b)),
+        Case("adaLN-Zero initialisation: the block must return h", (x, c, f, zero_w, zero_b)),
         Case("random modulation", (x, c, f, w, bias)),
         Case("only the bias set (the condition is ignored)", (x, c, f, zero_w, bias)),
         Case("a large residual stream", (x * 50 + 3, c, f, w, bias)),
@@ -298,7 +298,7 @@ def check_fold_norm_gain(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(weight, W) -> W2``: fold a norm's gain into the next linear layer.
 
     The norm's output ``x_hat * weight`` (``weight`` of shape (D,)) feeds a linear layer
-    ``h = y @ W`` with ``W`` of shape (D, K), as in glassllm. The answer ``W2`` (D, K) makes
+    ``y @ W`` with ``W`` of shape (D, D_out), as in glassllm. The answer ``W2`` (D, D_out) makes
     ``x_hat @ W2`` equal to ``(x_hat * weight) @ W`` for every ``x_hat``, so that the norm can
     run without a gain. The inputs must not be changed.
     """
