@@ -158,7 +158,7 @@ def check_jacobian_spectrum(fn: Callable[..., Any]) -> CheckResult:
 
 
 def _ref_weight_grad(W, x, dy, eps=1e-6):
-    h = x @ W.T  # (N, D)
+    h = x @ W.T  # (B, D)
     _, rstd = reference.rms_norm_forward(h, eps=eps)
     dh = reference.rms_norm_backward(dy, h, rstd)[0]
     return dh.T @ x  # (D, D_in)
@@ -167,7 +167,7 @@ def _ref_weight_grad(W, x, dy, eps=1e-6):
 def check_weight_grad(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(W, x, dy, eps=1e-6) -> dW`` for y = RMSNorm(x W^T) (no weight).
 
-    ``W`` has shape (D, D_in), ``x`` (N, D_in) and ``dy`` (N, D); ``dW`` has the shape of
+    ``W`` has shape (D, D_in), ``x`` (B, D_in) and ``dy`` (B, D); ``dW`` has the shape of
     ``W``. Cases include a single row, a rescaled ``W`` (whose gradient must shrink by the
     same factor) and eps = 0.
     """
@@ -177,7 +177,7 @@ def check_weight_grad(fn: Callable[..., Any]) -> CheckResult:
     cases = [
         Case("a random (6, 5) W and 7 rows", (w, x, dy)),
         Case(
-            "one row, N = 1",
+            "one row, B = 1",
             (rng.normal(size=(4, 3)), rng.normal(size=(1, 3)), rng.normal(size=(1, 4))),
         ),
         Case("the same W times 10 (the gradient is 10 times smaller)", (10 * w, x, dy)),
@@ -310,7 +310,7 @@ def _sequential_sum(x):
 
 
 def split_row_sum(x: np.ndarray) -> np.ndarray:
-    """Row sums of a float32 (N, D) array in an order that depends on N, as some kernels do.
+    """Row sums of a float32 (B, D) array in an order that depends on B, as some kernels do.
 
     A batch of fewer than 32 rows gives each row's sum to 4 workers (a "split reduction": the
     row is cut into 4 chunks, each summed left to right, then the 4 partial sums are added);
@@ -322,14 +322,14 @@ def split_row_sum(x: np.ndarray) -> np.ndarray:
     n, d = x.shape
     if n >= 32:
         return _sequential_sum(x)
-    parts = _sequential_sum(x.reshape(n, 4, d // 4))  # (N, 4) partial sums
+    parts = _sequential_sum(x.reshape(n, 4, d // 4))  # (B, 4) partial sums
     return _sequential_sum(parts)
 
 
 def check_batch_invariant_sum(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x) -> sums``: float32 row sums whose bits do not depend on the batch.
 
-    ``x`` is a float32 array of shape (N, D); the result must be float32 of shape (N,), each
+    ``x`` is a float32 array of shape (B, D); the result must be float32 of shape (B,), each
     entry within 1e-4 (relative to the sum of absolute values) of the exact row sum, and
     bitwise the same as in one batch of 2100 rows for a row alone, in every batch of 2 to 64
     rows, in batches on both sides of every power of two up to 2048 (127, 128, 129, ...),

@@ -137,7 +137,7 @@ def test_batch_invariant_sum():
 
 
 def _split_below(threshold):
-    """split_row_sum with its threshold moved: a choice made from N that few sizes reveal."""
+    """split_row_sum with its threshold moved: a choice made from B that few sizes reveal."""
 
     def row_sum(x):
         if x.shape[0] >= threshold:
@@ -156,8 +156,8 @@ def _reversed_for_three_rows(x):
 @pytest.mark.parametrize(
     "fn", [_split_below(256), _split_below(1025), _split_below(3), _reversed_for_three_rows]
 )
-def test_batch_invariant_sum_rejects_orders_chosen_from_n(fn):
-    """The chapter warns against any choice made from N, also at sizes a few tests miss."""
+def test_batch_invariant_sum_rejects_orders_chosen_from_the_batch_size(fn):
+    """The chapter warns against any choice made from B, also at sizes a few tests miss."""
     result = ch03.check_batch_invariant_sum(fn)
     assert not result.passed and "order of the additions" in result.message
 
