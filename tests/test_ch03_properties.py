@@ -14,7 +14,7 @@ import lnlib
 pytestmark = pytest.mark.usefixtures("cpu_path")
 
 seeds = st.integers(0, 2**32 - 1)
-factors = st.floats(0.05, 20).filter(lambda a: abs(a - 1) > 0.05)
+factors = st.floats(0.05, 20).filter(lambda rho: abs(rho - 1) > 0.05)
 epsilons = st.sampled_from([0.0, 1e-8, 1e-5, 1e-2, 1.0])
 
 
@@ -41,34 +41,34 @@ NORMS = {
 PAPER = {"BatchNorm": "YNYYYN", "WeightNorm": "YNYNNN", "LayerNorm": "YYNYNY", "RMSNorm": "YNNYNY"}
 
 
-def _transforms(g, a):
+def _transforms(g, rho):
     v = g.standard_normal(8)
 
     def one_row(m, k):
         m = m.copy()
-        m[k] *= a
+        m[k] *= rho
         return m
 
     return [
-        lambda W, X: (a * W, X),
+        lambda W, X: (rho * W, X),
         lambda W, X: (W + v, X),
         lambda W, X: (one_row(W, 1), X),
-        lambda W, X: (W, a * X),
+        lambda W, X: (W, rho * X),
         lambda W, X: (W, X + v),
         lambda W, X: (W, one_row(X, 3)),
     ]
 
 
 @given(seeds, factors)
-def test_invariance_table_of_ba_et_al(seed, a):
+def test_invariance_table_of_ba_et_al(seed, rho):
     """Section 'The invariance table': every cell of the computed table is the paper's."""
     g = np.random.default_rng(seed)
     X, W = g.standard_normal((12, 8)), g.standard_normal((6, 8))
     for name, norm in NORMS.items():
         before = norm(X @ W.T, W)
         marks = ""
-        for t in _transforms(g, a):
-            W2, X2 = t(W, X)
+        for transform in _transforms(g, rho):
+            W2, X2 = transform(W, X)
             change = maxdiff(norm(X2 @ W2.T, W2), before)
             assert change < 1e-9 or change > 1e-4, "a near miss: neither clearly Y nor N"
             marks += "Y" if change < 1e-9 else "N"
@@ -79,70 +79,72 @@ def test_invariance_table_of_ba_et_al(seed, a):
 
 
 @given(seeds, st.floats(-1e3, 1e3), epsilons, st.floats(1e-3, 1e3))
-def test_shift_invariance_holds_for_every_eps(seed, c, eps, scale):
-    """Proposition 'Invariances of one vector' (a): LN(x + c 1) = LN(x) for every eps."""
+def test_shift_invariance_holds_for_every_eps(seed, nu, eps, scale):
+    """Proposition 'Invariances of one vector' (a): LN(x + nu 1) = LN(x) for every eps."""
     x = rows(seed, 4, 16, scale=scale)
     y = lnlib.layer_norm(x, eps=eps)
-    # the only error is the rounding of x + c (and of the computation), relative to the spread
-    tol = 64 * np.finfo(float).eps * (np.abs(x).max() + abs(c)) / np.sqrt(x.var(1).min() + eps)
-    assert maxdiff(lnlib.layer_norm(x + c, eps=eps), y) <= tol + 1e-13
+    # the only error is the rounding of x + nu (and of the computation), relative to the spread
+    tol = 64 * np.finfo(float).eps * (np.abs(x).max() + abs(nu)) / np.sqrt(x.var(1).min() + eps)
+    assert maxdiff(lnlib.layer_norm(x + nu, eps=eps), y) <= tol + 1e-13
 
 
 @given(seeds, factors, epsilons)
-def test_rescaling_replaces_eps_by_eps_over_a_squared(seed, a, eps):
-    """(b): LN(a x; eps) = LN(x; eps / a^2); so LN(a x) = LN(x) at eps = 0 for a > 0."""
+def test_rescaling_replaces_eps_by_eps_over_rho_squared(seed, rho, eps):
+    """(b): LN(rho x; eps) = LN(x; eps / rho^2); so LN(rho x) = LN(x) at eps = 0 for rho > 0."""
     x = rows(seed, 4, 16)
     np.testing.assert_allclose(
-        lnlib.layer_norm(a * x, eps=eps),
-        lnlib.layer_norm(x, eps=eps / a**2),
+        lnlib.layer_norm(rho * x, eps=eps),
+        lnlib.layer_norm(x, eps=eps / rho**2),
         rtol=1e-10,
         atol=1e-12,
     )
     if eps == 0.0:
         np.testing.assert_allclose(
-            lnlib.layer_norm(a * x, eps=0.0), lnlib.layer_norm(x, eps=0.0), rtol=1e-10, atol=1e-12
+            lnlib.layer_norm(rho * x, eps=0.0), lnlib.layer_norm(x, eps=0.0), rtol=1e-10, atol=1e-12
         )
 
 
 @given(seeds, factors, st.sampled_from([1e-5, 1e-2, 1.0]), st.floats(1e-3, 10))
 def test_rescaling_changes_the_output_by_the_predicted_amount_when_eps_is_positive(
-    seed, a, eps, scale
+    seed, rho, eps, scale
 ):
-    """(b), the eps effect: the output is multiplied by sqrt((var + eps) / (var + eps / a^2))."""
+    """(b), the eps effect: the output is multiplied by sqrt((var + eps) / (var + eps / rho^2))."""
     x = rows(seed, 1, 16, scale=scale)[0]
     var = x.var()
     y = lnlib.layer_norm(x, eps=eps)
-    change = maxdiff(lnlib.layer_norm(a * x, eps=eps), y)
-    predicted = np.abs(y).max() * abs(np.sqrt((var + eps) / (var + eps / a**2)) - 1)
+    change = maxdiff(lnlib.layer_norm(rho * x, eps=eps), y)
+    predicted = np.abs(y).max() * abs(np.sqrt((var + eps) / (var + eps / rho**2)) - 1)
     assert change == pytest.approx(predicted, rel=1e-6, abs=1e-14)
     assume(predicted > 1e-9)
     assert change > 0
 
 
 @given(seeds, st.floats(0.05, 20), epsilons)
-def test_negative_scale_flips_the_sign(seed, a, eps):
-    """(c): LN(-a x; eps a^2) = -LN(x; eps), which differs from LN(x) unless LN(x) = 0."""
+def test_negative_scale_flips_the_sign(seed, rho, eps):
+    """(c): LN(-rho x; eps rho^2) = -LN(x; eps), which differs from LN(x) unless LN(x) = 0."""
     x = rows(seed, 3, 16)
     y = lnlib.layer_norm(x, eps=eps)
-    np.testing.assert_allclose(lnlib.layer_norm(-a * x, eps=eps * a**2), -y, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        lnlib.layer_norm(-rho * x, eps=eps * rho**2), -y, rtol=1e-10, atol=1e-12
+    )
     assert maxdiff(lnlib.layer_norm(-x, eps=eps), y) > 1.0
 
 
 @given(seeds, st.integers(3, 64), st.floats(-0.9, 5), st.floats(-10, 10))
-def test_a_shift_is_invisible_only_along_x_minus_its_mean_and_ones(seed, d, t, c):
-    """(d): at eps = 0, LN(x + b) = LN(x) for b = t (x - mu 1) + c 1 (t > -1); a random
-    (non-constant) b changes the output: the source's "any vector b" is false."""
+def test_a_shift_is_invisible_only_along_x_minus_its_mean_and_ones(seed, d, theta, nu):
+    """(d): at eps = 0, LN(x + v) = LN(x) for v = theta (x - mu 1) + nu 1 (theta > -1); a
+    random (non-constant) v changes the output: the source's "any vector b" is false."""
     g = np.random.default_rng(seed)
     x = g.standard_normal(d)
     y = lnlib.layer_norm(x, eps=0.0)
-    b_invisible = t * (x - x.mean()) + c
-    np.testing.assert_allclose(lnlib.layer_norm(x + b_invisible, eps=0.0), y, atol=1e-9)
-    b = g.standard_normal(d)
-    # the part of b outside span{1, x - mu} is what LN sees
+    v_invisible = theta * (x - x.mean()) + nu
+    np.testing.assert_allclose(lnlib.layer_norm(x + v_invisible, eps=0.0), y, atol=1e-9)
+    v = g.standard_normal(d)
+    # the part of v outside span{1, x - mu} is what LN sees
     basis = np.linalg.qr(np.stack([np.ones(d), x - x.mean()], axis=1))[0]
-    seen = b - basis @ (basis.T @ b)
+    seen = v - basis @ (basis.T @ v)
     assume(np.linalg.norm(seen) > 0.1)
-    assert maxdiff(lnlib.layer_norm(x + b, eps=0.0), y) > 1e-3
+    assert maxdiff(lnlib.layer_norm(x + v, eps=0.0), y) > 1e-3
 
 
 @given(seeds, st.integers(-3, 3), st.sampled_from([1e-6, 1e-4, 1e-2]))
@@ -237,18 +239,18 @@ def weight_grad(W, x, dz, eps, norm):
 
 
 @given(seeds, st.floats(0.05, 20), st.sampled_from(["layer", "rms"]))
-def test_weight_gradient_is_orthogonal_to_the_weights_and_scales_as_one_over_a(seed, a, norm):
+def test_weight_gradient_is_orthogonal_to_the_weights_and_scales_as_one_over_rho(seed, rho, norm):
     """Proposition 'Scale-invariant weights': at eps = 0, <W, dL/dW> = 0 and
-    dL/dW(a W) = dL/dW(W) / a, for LayerNorm and RMSNorm."""
+    dL/dW(rho W) = dL/dW(W) / rho, for LayerNorm and RMSNorm."""
     g = np.random.default_rng(seed)
     W, x, dz = g.standard_normal((6, 8)), g.standard_normal((20, 8)), g.standard_normal((20, 6))
     grad = weight_grad(W, x, dz, 0.0, norm)
     assert abs(np.sum(W * grad)) <= 1e-10 * np.linalg.norm(W) * np.linalg.norm(grad)
     np.testing.assert_allclose(
-        weight_grad(a * W, x, dz, 0.0, norm),
-        grad / a,
+        weight_grad(rho * W, x, dz, 0.0, norm),
+        grad / rho,
         rtol=1e-8,
-        atol=1e-12 * np.abs(grad).max() / a,
+        atol=1e-12 * np.abs(grad).max() / rho,
     )
 
 

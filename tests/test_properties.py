@@ -94,26 +94,26 @@ def test_rms_norm_is_accurate_at_every_magnitude(p):
 
 
 @given(problems(dtypes=(np.float64,)), st.floats(0.01, 100), st.floats(-100, 100))
-def test_layer_norm_invariant_to_shifting_and_scaling_each_row(p, a, c):
-    """With eps = 0, LN(a x + c) = LN(x) for every a > 0 and c (c drawn relative to |x|, so
+def test_layer_norm_invariant_to_shifting_and_scaling_each_row(p, rho, nu):
+    """With eps = 0, LN(rho x + nu) = LN(x) for every rho > 0 and nu (nu drawn relative to |x|, so
     that the shifted input still carries the row's information in float64)."""
     x, k, _ = p
-    c = c * float(np.max(np.abs(x)))
+    nu = nu * float(np.max(np.abs(x)))
     axes = tuple(range(x.ndim - k, x.ndim))
     spread = np.std(x, axis=axes)
     assume(np.all(spread > 1e-6 * np.max(np.abs(x), axis=axes)))  # no (near-)constant rows
     y = lnlib.layer_norm(x, eps=0.0, normalized_ndim=k)
     np.testing.assert_allclose(
-        lnlib.layer_norm(a * x + c, eps=0.0, normalized_ndim=k), y, atol=1e-6
+        lnlib.layer_norm(rho * x + nu, eps=0.0, normalized_ndim=k), y, atol=1e-6
     )
 
 
 @given(problems(dtypes=(np.float64,)), st.floats(0.01, 100))
-def test_rms_norm_invariant_to_scaling_only(p, a):
+def test_rms_norm_invariant_to_scaling_only(p, rho):
     x, k, _ = p
     assume(np.all(np.abs(x).max(axis=tuple(range(x.ndim - k, x.ndim))) > 0))
     np.testing.assert_allclose(
-        lnlib.rms_norm(a * x, eps=0.0, normalized_ndim=k),
+        lnlib.rms_norm(rho * x, eps=0.0, normalized_ndim=k),
         lnlib.rms_norm(x, eps=0.0, normalized_ndim=k),
         atol=1e-9,
     )

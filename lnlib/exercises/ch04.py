@@ -190,7 +190,7 @@ def _ref_group_norm(x, num_groups, weight, bias, eps=1e-5):
 
 def check_group_norm(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x, num_groups, weight, bias, eps=1e-5) -> y`` for ``x`` of shape
-    (N, C, *spatial), with per-channel ``weight`` and ``bias`` of shape (C,).
+    (B, C, *spatial), with per-channel ``weight`` and ``bias`` of shape (C,).
 
     Cases: two spatial axes, one spatial axis, no spatial axis, InstanceNorm (G = C),
     LayerNorm over (C, H, W) (G = 1), groups with different scales, and ``eps``.
@@ -203,7 +203,7 @@ def check_group_norm(fn: Callable[..., Any]) -> CheckResult:
     x, _, w, b = case((2, 6, 3, 3), 3)
     x[:, :2] *= 10  # the first group (two channels) is ten times larger
     cases = [
-        Case("(N, C, H, W) = (2, 8, 3, 4), G = 4", case((2, 8, 3, 4), 4)),
+        Case("(B, C, H, W) = (2, 8, 3, 4), G = 4", case((2, 8, 3, 4), 4)),
         Case("one spatial axis (3, 6, 5), G = 2", case((3, 6, 5), 2)),
         Case("no spatial axis (4, 6), G = 3", case((4, 6), 3)),
         Case("InstanceNorm: G = C = 4", case((2, 4, 3, 3), 4)),
