@@ -8,7 +8,7 @@ the small TeX installation of tools/ensure_tex.sh), loads ``ucharclasses`` and n
 figures by section. This extension keeps its transforms and changes the rest:
 
 - Sphinx's own ``manual`` class, with the paper, font size and margins of ``latex_elements``
-  in ``_config.yml``, and ``tools/lnlibbook.sty`` at the end of the preamble;
+  in ``_config.yml``, and ``book/_ext/lnlibbook.sty`` at the end of the preamble;
 - no ``ucharclasses`` (the text font, GNU FreeSerif, has the Greek letters and the math
   symbols of the prose);
 - numbers as in the web book: the pages of the parts that ``_toc.yml`` does not number
