@@ -16,12 +16,17 @@ figures by section. This extension keeps its transforms and changes the rest:
   at 1; their figures and equations are numbered 1, 2, ... across those pages, the others
   chapter by chapter (1.1, 1.2, ...); and exercises, solutions and proofs, whose numbers
   sphinx-exercise and sphinx-proof write as text, get the web book's numbers (Exercise 1.2,
-  not Exercise 1.5.2) because the figure numbering depth stays the web book's.
+  not Exercise 1.5.2) because the figure numbering depth stays the web book's;
+- tables that fit the text block: lnlibbook.sty sets the widths of the tables that Sphinx
+  puts in a ``tabulary`` (the most); :class:`TableLayout` gives column widths to the others
+  (longer than 30 rows, or with lists or code in a cell), which Sphinx would make equal or,
+  in a long table, as wide as their longest entry on one line.
 """
 
 from __future__ import annotations
 
 import posixpath
+import re
 from pathlib import Path
 
 from docutils import nodes
@@ -182,10 +187,132 @@ class GluedImagePaths(SphinxPostTransform):
                 image["candidates"] = {"*": fixed}
 
 
+# Sphinx's LaTeX writer sets a table in a tabulary, which measures its columns, unless it has
+# more than this many rows or the class longtable (then a longtable) or a cell holds one of
+# _BLOCKS (then a tabular).
+_TABULARY_MAX_ROWS = 30
+_BLOCKS = (
+    nodes.bullet_list,
+    nodes.enumerated_list,
+    nodes.definition_list,
+    nodes.field_list,
+    nodes.block_quote,
+    nodes.literal_block,
+    nodes.Admonition,
+    nodes.table,
+    addnodes.desc,
+    addnodes.seealso,
+    addnodes.hlist,
+)
+#: The text block (16 cm, 455 pt) in widths of an average character of 11 pt FreeSerif (about
+#: 5 pt), the space between two columns (2 \tabcolsep = 12 pt) and a typewriter character
+#: (6.6 pt, with some room) in the same unit.
+LINE_CHARACTERS = 90.0
+COLUMN_PADDING = 2.5
+CODE_CHARACTER = 1.4
+
+
+def column_widths(natural: list[float], line: float = LINE_CHARACTERS) -> list[int]:
+    """Shares of the line, in whole percent, for table columns of the given natural widths.
+
+    ``natural`` holds each column's widest entry set on one line (in the unit of ``line``).
+    As lnlibbook.sty asks of tabulary: a column under 30 % of the line (or under 1/n of it,
+    with n columns) keeps its width; the others share what is left in proportion to their
+    natural widths, none narrower than that bound.
+    """
+    if not natural:
+        raise ValueError("natural: a table has at least one column")
+    need = [max(float(w), 0.0) + COLUMN_PADDING for w in natural]
+    bound = min(0.3 * line, line / len(need))
+    widths: list[float | None] = [w if w < bound else None for w in need]
+    while None in widths:
+        free = [i for i, w in enumerate(widths) if w is None]
+        left = line - sum(w for w in widths if w is not None)
+        total = sum(need[i] for i in free)
+        share = {i: left * need[i] / total for i in free}
+        narrow = [i for i in free if share[i] < bound]
+        for i in narrow or free:
+            widths[i] = bound if narrow else share[i]
+    total = sum(widths)
+    return [max(1, round(100 * w / total)) for w in widths]
+
+
+def _text_width(node: nodes.Node) -> float:
+    """Width of the text under ``node`` on one line, in widths of an average character."""
+    width = 0.0
+    for text in node.findall(nodes.Text):
+        source = text.astext()
+        if isinstance(text.parent, nodes.math):
+            # A command is about one symbol wide; braces, scripts and spaces take no room.
+            width += len(re.sub(r"[{}^_\s]|\\[,;!]", "", re.sub(r"\\[A-Za-z]+", "x", source)))
+        elif any(isinstance(a, nodes.literal) for a in (text.parent, text.parent.parent)):
+            width += CODE_CHARACTER * len(source)
+        else:
+            width += len(source)
+    return width
+
+
+class TableLayout(SphinxPostTransform):
+    """Tables: no empty lines in empty cells, and column widths where tabulary is not used.
+
+    - An empty cell (an empty paragraph: MyST writes one for ``| |``) becomes an empty entry;
+      Sphinx would write a paragraph break there, which gives the row an empty line.
+    - A table that Sphinx does not set in a tabulary (see ``_BLOCKS``) and that has no
+      widths of its own (``:widths:``, ``tabularcolumns``) gets the widths of
+      :func:`column_widths`, from the text of its cells.
+    """
+
+    builders = ("latex",)
+    default_priority = 910
+
+    def run(self, **kwargs) -> None:
+        for entry in list(self.document.findall(nodes.entry)):
+            if len(entry) == 1 and isinstance(entry[0], nodes.paragraph) and not len(entry[0]):
+                entry.remove(entry[0])
+        for table in list(self.document.findall(nodes.table)):
+            self._set_widths(table)
+
+    @staticmethod
+    def _set_widths(table: nodes.table) -> None:
+        if "colwidths-given" in table["classes"]:
+            return
+        index = table.parent.index(table) if table.parent is not None else 0
+        if index > 0 and isinstance(table.parent[index - 1], addnodes.tabular_col_spec):
+            return
+        tgroup = next((c for c in table.children if isinstance(c, nodes.tgroup)), None)
+        if tgroup is None:
+            return
+        colspecs = [c for c in tgroup.children if isinstance(c, nodes.colspec)]
+        rows = [
+            row
+            for part in tgroup.children
+            if isinstance(part, (nodes.thead, nodes.tbody))
+            for row in part.children
+        ]
+        blocks = any(
+            isinstance(node, _BLOCKS) for entry in tgroup.findall(nodes.entry) for node in entry
+        )
+        long = len(rows) > _TABULARY_MAX_ROWS or "longtable" in table["classes"]
+        if not colspecs or not (long or blocks):
+            return  # a tabulary: lnlibbook.sty
+        natural = [0.0] * len(colspecs)
+        for row in rows:
+            column = 0
+            for entry in row.children:
+                spans = entry.get("morecols", 0) or entry.get("morerows", 0)
+                if column < len(natural) and not spans:
+                    natural[column] = max(natural[column], _text_width(entry))
+                column += 1 + entry.get("morecols", 0)
+        for colspec, width in zip(colspecs, column_widths(natural)):
+            colspec["colwidth"] = width
+        table["classes"].append("colwidths-given")
+
+
 def setup(app: Sphinx) -> dict:
     app.connect("config-inited", _override_jupyterbook_latex, priority=900)
     app.connect("builder-inited", _restore_numfig_depth, priority=900)
     app.add_post_transform(ArrangeBook)
     app.add_post_transform(GluedImagePaths)
     app.add_post_transform(LocalCitations)
+    app.add_post_transform(TableLayout)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
