@@ -271,6 +271,9 @@ def test_build_check_fails_on_a_missing_page_or_a_broken_link():
 
 def test_the_web_book_links_to_the_pdf_beside_it():
     front = (HTML / "book" / "intro.html").read_text() if HTML.is_dir() else ""
-    assert 'href="../lnlib.pdf"' in front
-    beside = HTML / "lnlib.pdf"  # where make pdf and the Pages workflow put it
-    assert beside.is_file() and beside.read_bytes() == _pdf().read_bytes()
+    assert 'href="../lnlib.pdf"' in front, "the front page (book/intro.md) has no link to the PDF"
+    # make pdf copies the PDF there when the web book exists (the Pages workflow publishes
+    # _build/html): so make test builds the book first.
+    beside = HTML / "lnlib.pdf"
+    assert beside.is_file(), f"no {beside}: make pdf after make book puts it there"
+    assert beside.read_bytes() == _pdf().read_bytes(), f"{beside} is not the PDF built last"
