@@ -17,6 +17,9 @@ figures by section. This extension keeps its transforms and changes the rest:
   chapter by chapter (1.1, 1.2, ...); and exercises, solutions and proofs, whose numbers
   sphinx-exercise and sphinx-proof write as text, get the web book's numbers (Exercise 1.2,
   not Exercise 1.5.2) because the figure numbering depth stays the web book's;
+- the code of notebook cells hidden on the web behind a "show" button (tag ``hide-input``:
+  the exercises' solutions) printed when the cell shows an output, which paper has no button
+  to reveal (:class:`ShowHiddenInputs`; sphinx-jupyterbook-latex drops every such input);
 - tables that fit the text block: lnlibbook.sty sets the widths of the tables that Sphinx
   puts in a ``tabulary`` (the most); :class:`TableLayout` gives column widths to the others
   (longer than 30 rows, or with lists or code in a cell), which Sphinx would make equal or,
@@ -187,6 +190,28 @@ class GluedImagePaths(SphinxPostTransform):
                 image["candidates"] = {"*": fixed}
 
 
+class ShowHiddenInputs(SphinxPostTransform):
+    """Print the code of a ``hide-input`` cell that shows an output.
+
+    On the web such a cell's code is behind a button (the notebooks' solutions to their
+    exercises, whose output is the checker's PASS); sphinx-jupyterbook-latex's
+    MystNbPostTransform drops it from the PDF, which then shows a solution's PASS without the
+    solution. Only a cell without output (the bookkeeping cells that glue numbers for the
+    pages) stays hidden.
+    """
+
+    builders = ("latex",)
+    default_priority = 390  # before sphinx-jupyterbook-latex's MystNbPostTransform (400)
+
+    def run(self, **kwargs) -> None:
+        for cell in self.document.findall(nodes.container):
+            if "tag_hide-input" in cell["classes"] and any(
+                isinstance(child, nodes.container) and "cell_output" in child["classes"]
+                for child in cell.children
+            ):
+                cell["classes"].remove("tag_hide-input")
+
+
 # Sphinx's LaTeX writer sets a table in a tabulary, which measures its columns, unless it has
 # more than this many rows or the class longtable (then a longtable) or a cell holds one of
 # _BLOCKS (then a tabular).
@@ -315,4 +340,5 @@ def setup(app: Sphinx) -> dict:
     app.add_post_transform(GluedImagePaths)
     app.add_post_transform(LocalCitations)
     app.add_post_transform(TableLayout)
+    app.add_post_transform(ShowHiddenInputs)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -209,6 +209,39 @@ def test_exercises_and_solutions_numbered_as_on_the_web():
     )
 
 
+def _shown_outputs(cell: dict) -> list[dict]:
+    """The outputs of a notebook cell that the book shows (not glue's recorded values)."""
+    return [o for o in cell.get("outputs", []) if "scrapbook" not in o.get("metadata", {})]
+
+
+def test_hidden_inputs_with_an_output_are_printed():
+    # On the web a hide-input cell's code (a notebook's solution to an exercise) is behind a
+    # button; on paper it is printed when its output (the checker's PASS) is.
+    text = _normalize(_text())
+    shown = hidden = 0
+    for docname in toc_docnames():
+        notebook = ROOT / f"{docname}.ipynb"
+        if not notebook.is_file():
+            continue
+        for cell in json.loads(notebook.read_text())["cells"]:
+            if "hide-input" not in cell.get("metadata", {}).get("tags", []):
+                continue
+            lines = [_normalize(line) for line in "".join(cell["source"]).splitlines()]
+            first = lines[0]
+            if _shown_outputs(cell):
+                # Every line short enough not to wrap, without its comment, which pdftotext
+                # reads as a block of its own (a solution's first line is often the same as
+                # its exercise's placeholder's).
+                code = [re.sub(r"\s*#.*$", "", line) for line in lines if len(line) <= 70]
+                missing = [line for line in code if line and line not in text]
+                assert not missing, f"{docname}: hidden solution {first!r} not in the PDF"
+                shown += 1
+            else:
+                assert first not in text, f"{docname}: bookkeeping cell {first!r} printed"
+                hidden += 1
+    assert shown and hidden
+
+
 def test_no_text_outside_the_text_block():
     left, right = text_block()
     outside = lines_outside(_bbox(), left, right)
