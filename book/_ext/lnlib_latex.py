@@ -20,6 +20,8 @@ figures by section. This extension keeps its transforms and changes the rest:
 - the code of notebook cells hidden on the web behind a "show" button (tag ``hide-input``:
   the exercises' solutions) printed when the cell shows an output, which paper has no button
   to reveal (:class:`ShowHiddenInputs`; sphinx-jupyterbook-latex drops every such input);
+- proofs with a title bar ("Proof", as the exercises and propositions have theirs) instead
+  of an empty one (:class:`ProofTitles`);
 - tables that fit the text block: lnlibbook.sty sets the widths of the tables that Sphinx
   puts in a ``tabulary`` (the most); :class:`TableLayout` gives column widths to the others
   (longer than 30 rows, or with lists or code in a cell), which Sphinx would make equal or,
@@ -190,6 +192,29 @@ class GluedImagePaths(SphinxPostTransform):
                 image["candidates"] = {"*": fixed}
 
 
+class ProofTitles(SphinxPostTransform):
+    """Give each proof the title "Proof" in its box.
+
+    sphinx-proof writes a proof as a titleless admonition whose text starts with "Proof. ";
+    Sphinx's LaTeX writer takes the first token of an admonition for its title, so the box got
+    an empty title bar. Here the "Proof. " moves from the text into the title.
+    """
+
+    builders = ("latex",)
+    default_priority = 905
+
+    def run(self, **kwargs) -> None:
+        for box in self.document.findall(nodes.admonition):
+            if "proof" not in box["classes"] or any(isinstance(c, nodes.title) for c in box):
+                continue
+            first = box.next_node(nodes.Text)
+            kind = first.astext().split(". ", 1)[0] if first is not None else ""
+            if kind.lower() not in box["classes"] or not first.astext().startswith(kind + ". "):
+                continue  # not the text that sphinx-proof wrote
+            first.parent.replace(first, nodes.Text(first.astext()[len(kind) + 2 :]))
+            box.insert(0, nodes.title("", kind))
+
+
 class ShowHiddenInputs(SphinxPostTransform):
     """Print the code of a ``hide-input`` cell that shows an output.
 
@@ -341,4 +366,5 @@ def setup(app: Sphinx) -> dict:
     app.add_post_transform(LocalCitations)
     app.add_post_transform(TableLayout)
     app.add_post_transform(ShowHiddenInputs)
+    app.add_post_transform(ProofTitles)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

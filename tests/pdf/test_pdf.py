@@ -209,6 +209,18 @@ def test_exercises_and_solutions_numbered_as_on_the_web():
     )
 
 
+def test_every_box_has_a_title():
+    # sphinx-proof's proofs had none: Sphinx's LaTeX writer took the paragraph's start for
+    # the title, an empty bar above the proof.
+    tex_file = AUX.with_suffix(".tex")
+    if not tex_file.is_file():
+        pytest.fail(f"{tex_file} does not exist: run `make pdf` first")
+    boxes = re.findall(r"\\begin\{sphinxadmonition\}\{\w+\}(.*)", tex_file.read_text())
+    untitled = [box for box in boxes if not box.startswith("{") or box.startswith("{}")]
+    assert boxes and not untitled, f"{len(untitled)} boxes without a title"
+    assert "{Proof}" in boxes
+
+
 def _shown_outputs(cell: dict) -> list[dict]:
     """The outputs of a notebook cell that the book shows (not glue's recorded values)."""
     return [o for o in cell.get("outputs", []) if "scrapbook" not in o.get("metadata", {})]
