@@ -22,6 +22,8 @@ figures by section. This extension keeps its transforms and changes the rest:
   to reveal (:class:`ShowHiddenInputs`; sphinx-jupyterbook-latex drops every such input);
 - proofs with a title bar ("Proof", as the exercises and propositions have theirs) instead
   of an empty one (:class:`ProofTitles`);
+- inline code that never starts a line with an operator ("x1 - x2" breaks after the minus,
+  not before: :class:`CodeOperators`);
 - tables that fit the text block: lnlibbook.sty sets the widths of the tables that Sphinx
   puts in a ``tabulary`` (the most); :class:`TableLayout` gives column widths to the others
   (longer than 30 rows, or with lists or code in a cell), which Sphinx would make equal or,
@@ -215,6 +217,33 @@ class ProofTitles(SphinxPostTransform):
             box.insert(0, nodes.title("", kind))
 
 
+#: A space in inline code before an operator and a space: it becomes a no-break space.
+_SPACE_BEFORE_OPERATOR = re.compile(r" (?=(?:[-+*/%@<>=!]=?|\*\*|//|==) )")
+
+
+def keep_operator_with_left_operand(code: str) -> str:
+    """``code`` with a no-break space before each operator between spaces ("x1 - x2")."""
+    return _SPACE_BEFORE_OPERATOR.sub("\u00a0", code)
+
+
+class CodeOperators(SphinxPostTransform):
+    """Inline code breaks after an operator, never before it.
+
+    A line of prose may break at any space of inline code; one that broke ``x1 - x2`` before
+    the minus started the next line with "- x2", which reads as a negative number.
+    """
+
+    builders = ("latex",)
+    default_priority = 905
+
+    def run(self, **kwargs) -> None:
+        for literal in self.document.findall(nodes.literal):
+            for text in list(literal.findall(nodes.Text)):
+                kept = keep_operator_with_left_operand(text.astext())
+                if kept != text.astext():
+                    text.parent.replace(text, nodes.Text(kept))
+
+
 class ShowHiddenInputs(SphinxPostTransform):
     """Print the code of a ``hide-input`` cell that shows an output.
 
@@ -367,4 +396,5 @@ def setup(app: Sphinx) -> dict:
     app.add_post_transform(TableLayout)
     app.add_post_transform(ShowHiddenInputs)
     app.add_post_transform(ProofTitles)
+    app.add_post_transform(CodeOperators)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,4 +1,5 @@
-"""Tables in the PDF edition: each kind that Sphinx's LaTeX writer makes fits the text block.
+"""Tables in the PDF edition: each kind that Sphinx's LaTeX writer makes fits the text block
+(and where inline code may break).
 
 A small document with the book's LaTeX extension (book/_ext/lnlib_latex.py, lnlibbook.sty) and
 page setup is built with XeLaTeX: a tabulary (a short table, as on the notation page), a
@@ -155,3 +156,16 @@ def test_column_widths_are_never_under_the_bound():
     assert widths[0] == 30 and sum(widths) == 100
     with pytest.raises(ValueError, match="natural"):
         lnlib_latex.column_widths([])
+
+
+@pytest.mark.parametrize(
+    ("code", "kept"),
+    [
+        ("np.sign(x1 - x2)", "np.sign(x1\u00a0- x2)"),
+        ("a ** 2 + b == c", "a\u00a0** 2\u00a0+ b\u00a0== c"),
+        ("f(x, eps=1e-5)", "f(x, eps=1e-5)"),  # no operator between spaces
+        ("a -b", "a -b"),
+    ],
+)
+def test_inline_code_never_breaks_before_an_operator(code, kept):
+    assert lnlib_latex.keep_operator_with_left_operand(code) == kept
