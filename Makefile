@@ -5,7 +5,8 @@
 #   make test   run every test: lnlib unit tests, nbval on every notebook (plain, with
 #               torch's AVX2 kernels and with one thread), the strict book build, the
 #               browser tests of tests/book (offline maths; every page at 400 px and 1280 px:
-#               tests/book/test_phone.py; need Chromium: installed when root)
+#               tests/book/test_phone.py; need Chromium: installed when root), the strict
+#               PDF build and its tests (tests/pdf; need TeX: installed when root)
 # Both create .venv (python3.11) and install requirements/lock.txt + lnlib when needed.
 
 PYTHON  ?= python3.11
@@ -65,11 +66,12 @@ tex:
 pdf-test: env tex
 	$(BIN)/python -m pytest tests/pdf -q -p no:cacheprovider
 
-# Chromium first: a missing browser stops the run before the long steps, with one line.
-# (make pdf and make pdf-test are not part of it yet: two PDF tests fail on the current notation
-# page's tables and on the front-page link; see the closing note of issue 26.)
-test: chromium env
-	$(MAKE) --no-print-directory chromium unit nbval nbval-avx2 nbval-1thread book browser-test
+# Chromium and TeX first: a missing browser or TeX stops the run before the long steps, with
+# one line. The PDF is built after the book: make pdf puts a copy beside the HTML, where the
+# front page links to it (tests/pdf checks both), and reads the notebooks from the cache.
+test: chromium tex env
+	$(MAKE) --no-print-directory chromium tex unit nbval nbval-avx2 nbval-1thread book \
+	    browser-test pdf pdf-test
 
 unit: env
 	$(BIN)/python -m pytest tests --ignore=tests/book --ignore=tests/pdf -q -p no:cacheprovider

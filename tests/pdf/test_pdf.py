@@ -209,6 +209,51 @@ def test_exercises_and_solutions_numbered_as_on_the_web():
     )
 
 
+def test_every_box_has_a_title():
+    # sphinx-proof's proofs had none: Sphinx's LaTeX writer took the paragraph's start for
+    # the title, an empty bar above the proof.
+    tex_file = AUX.with_suffix(".tex")
+    if not tex_file.is_file():
+        pytest.fail(f"{tex_file} does not exist: run `make pdf` first")
+    boxes = re.findall(r"\\begin\{sphinxadmonition\}\{\w+\}(.*)", tex_file.read_text())
+    untitled = [box for box in boxes if not box.startswith("{") or box.startswith("{}")]
+    assert boxes and not untitled, f"{len(untitled)} boxes without a title"
+    assert "{Proof}" in boxes
+
+
+def _shown_outputs(cell: dict) -> list[dict]:
+    """The outputs of a notebook cell that the book shows (not glue's recorded values)."""
+    return [o for o in cell.get("outputs", []) if "scrapbook" not in o.get("metadata", {})]
+
+
+def test_hidden_inputs_with_an_output_are_printed():
+    # On the web a hide-input cell's code (a notebook's solution to an exercise) is behind a
+    # button; on paper it is printed when its output (the checker's PASS) is.
+    text = _normalize(_text())
+    shown = hidden = 0
+    for docname in toc_docnames():
+        notebook = ROOT / f"{docname}.ipynb"
+        if not notebook.is_file():
+            continue
+        for cell in json.loads(notebook.read_text())["cells"]:
+            if "hide-input" not in cell.get("metadata", {}).get("tags", []):
+                continue
+            lines = [_normalize(line) for line in "".join(cell["source"]).splitlines()]
+            first = lines[0]
+            if _shown_outputs(cell):
+                # Every line short enough not to wrap, without its comment, which pdftotext
+                # reads as a block of its own (a solution's first line is often the same as
+                # its exercise's placeholder's).
+                code = [re.sub(r"\s*#.*$", "", line) for line in lines if len(line) <= 70]
+                missing = [line for line in code if line and line not in text]
+                assert not missing, f"{docname}: hidden solution {first!r} not in the PDF"
+                shown += 1
+            else:
+                assert first not in text, f"{docname}: bookkeeping cell {first!r} printed"
+                hidden += 1
+    assert shown and hidden
+
+
 def test_no_text_outside_the_text_block():
     left, right = text_block()
     outside = lines_outside(_bbox(), left, right)
@@ -271,6 +316,9 @@ def test_build_check_fails_on_a_missing_page_or_a_broken_link():
 
 def test_the_web_book_links_to_the_pdf_beside_it():
     front = (HTML / "book" / "intro.html").read_text() if HTML.is_dir() else ""
-    assert 'href="../lnlib.pdf"' in front
-    beside = HTML / "lnlib.pdf"  # where make pdf and the Pages workflow put it
-    assert beside.is_file() and beside.read_bytes() == _pdf().read_bytes()
+    assert 'href="../lnlib.pdf"' in front, "the front page (book/intro.md) has no link to the PDF"
+    # make pdf copies the PDF there when the web book exists (the Pages workflow publishes
+    # _build/html): so make test builds the book first.
+    beside = HTML / "lnlib.pdf"
+    assert beside.is_file(), f"no {beside}: make pdf after make book puts it there"
+    assert beside.read_bytes() == _pdf().read_bytes(), f"{beside} is not the PDF built last"
