@@ -1,6 +1,7 @@
 """House gates that keep the tree in order (run by ``make test``).
 
-* ``ruff`` (lint and format, configured in ``pyproject.toml``) is clean over lnlib/, tests/, tools/;
+* ``ruff`` (lint and format, configured in ``pyproject.toml``) is clean over lnlib/, tests/, tools/
+  and book/_ext/;
 * every public name of lnlib has a numpydoc docstring that describes every parameter and return
   value (numpydoc's own validator), and every public function and class says where the book
   covers it with a cross-reference (``Covered in :ref:`label```) to a label that exists, which
@@ -32,7 +33,7 @@ def _ruff():
 @pytest.mark.parametrize("args", [["check"], ["format", "--check"]], ids=["lint", "format"])
 def test_ruff_clean(args):
     run = subprocess.run(
-        [_ruff(), *args, "lnlib", "tests", "tools"],
+        [_ruff(), *args, "lnlib", "tests", "tools", "book/_ext"],
         cwd=ROOT,
         capture_output=True,
         text=True,
