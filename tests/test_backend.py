@@ -2,12 +2,11 @@
 
 import json
 import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from conftest import run_json
 
 import lnlib
 from lnlib import _backend, _rows
@@ -45,16 +44,7 @@ print(json.dumps({"errors": errors, "done": sorted(results), "same": same}))
 
 
 def _first_calls(env):
-    done = subprocess.run(
-        [sys.executable, "-c", FIRST_CALLS],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_json(FIRST_CALLS, env=env)
 
 
 def test_first_calls_from_eight_threads_at_once():
