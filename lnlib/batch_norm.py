@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _validate as check
 from ._backend import accumulation_dtype, get_array_module
-from .reference import layer_norm_dx
+from .formulas import layer_norm_dx
 
 __all__ = ["batch_norm", "batch_norm_forward", "batch_norm_backward"]
 
