@@ -6,7 +6,8 @@ import numbers
 import numpy as np
 
 from . import _validate as check
-from ._backend import accumulation_dtype, get_array_module
+from ._rows import accumulation_dtype
+from ._validate import get_array_module
 from .formulas import layer_norm_dx
 
 __all__ = ["batch_norm", "batch_norm_forward", "batch_norm_backward"]

@@ -68,7 +68,7 @@ import functools
 
 import numpy as np
 
-from ._backend import accumulation_dtype
+from ._rows import accumulation_dtype
 from .formulas import layer_norm_dx
 
 __all__ = [

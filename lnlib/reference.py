@@ -4,8 +4,9 @@ These are the versions derived in the chapter "The math of LayerNorm"; the publi
 :mod:`lnlib` compute the same quantities faster and are tested against these. Arguments are
 the same as those of the public functions, but nothing is validated here. The
 :mod:`lnlib._backend` selection point also runs them as the ``"reference"`` implementation
-(on NumPy or CuPy arrays). The backward formulas from :math:`\hat{x}` are those of
-:mod:`lnlib.formulas`, which production code uses too.
+(on NumPy or CuPy arrays), through the row functions at the end of this module. The backward
+formulas from :math:`\hat{x}` are those of :mod:`lnlib.formulas`, which production code uses
+too.
 
 Notation of the book: a row is one slice over the normalized axes, of ``D`` values; ``N``
 rows; ``mean`` is :math:`\mu`, ``rstd`` is :math:`r = 1/\sqrt{\sigma^2 + \epsilon}`,
@@ -20,10 +21,25 @@ import functools
 
 import numpy as np
 
-from ._backend import accumulation_dtype, get_array_module
+from ._rows import accumulation_dtype, sum_to_shape, written
 from ._rows import expand_stat as _expand
-from ._rows import sum_to_shape
+from ._validate import get_array_module
 from .formulas import layer_norm_dx, rms_norm_dx
+
+__all__ = [
+    "layer_norm_forward",
+    "layer_norm_backward",
+    "rms_norm_forward",
+    "rms_norm_backward",
+    "ada_layer_norm_forward",
+    "ada_layer_norm_backward",
+    "batch_norm_forward",
+    "batch_norm_backward",
+    "group_norm_forward",
+    "group_norm_backward",
+    "dynamic_tanh",
+    "dynamic_tanh_backward",
+]
 
 
 def _quiet(fn):
@@ -550,3 +566,32 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     dweight = (dya * t).sum(axis=rows).astype(pdtype)  # (D,)
     dbias = dya.sum(axis=rows).astype(pdtype)  # (D,)
     return dx, dalpha, dweight, dbias
+
+
+# The "reference" implementation of lnlib._backend: the row contract (lnlib._rows) on the
+# functions above.
+
+
+def available():
+    """The reference runs wherever NumPy (or CuPy) does: ``(True, reason)``."""
+    return True, "always available"
+
+
+def layer_norm_forward_rows(x, weight, bias, eps, *, out=None):
+    """:func:`layer_norm_forward` on rows, with the ``out`` of the row contract."""
+    return written(out, layer_norm_forward(x, weight, bias, eps=eps))
+
+
+def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, out=None):
+    """:func:`layer_norm_backward` on rows, with the ``out`` of the row contract."""
+    return written(out, layer_norm_backward(dy, x, mean, rstd, weight))
+
+
+def rms_norm_forward_rows(x, weight, eps, *, out=None):
+    """:func:`rms_norm_forward` on rows, with the ``out`` of the row contract."""
+    return written(out, rms_norm_forward(x, weight, eps=eps))
+
+
+def rms_norm_backward_rows(dy, x, rstd, weight, *, out=None):
+    """:func:`rms_norm_backward` on rows, with the ``out`` of the row contract."""
+    return written(out, rms_norm_backward(dy, x, rstd, weight))

@@ -9,7 +9,7 @@ import pytest
 from conftest import run_json
 
 import lnlib
-from lnlib import _backend, _rows
+from lnlib import _rows
 
 # 8 threads wait at a barrier, then each makes its first lnlib call (the first load of the
 # kernel module happens in one of them). A switch interval of 1 us makes the interpreter
@@ -65,7 +65,6 @@ def thread_state(monkeypatch):
     monkeypatch.delenv("LNLIB_NUM_THREADS", raising=False)
     monkeypatch.setattr(_rows, "_num_threads", None)
     monkeypatch.setattr(_rows, "_num_threads_reason", "")
-    monkeypatch.setattr(_backend, "_SELECTED", {})
     return monkeypatch
 
 
