@@ -1,17 +1,35 @@
-"""Row-blocked, multi-threaded driver for the NumPy fast paths of the row-wise norms.
+"""Rows: the contract every implementation follows, the reshaping to rows and back, the out=
+protocol, and the threaded driver of the NumPy path and the compiled kernel.
 
-LayerNorm and RMSNorm are memory-bound: each element is read once and written once, and the
-arithmetic is a handful of flops. The fast paths therefore
+The row contract. Each implementation of :data:`lnlib._backend.TABLE` defines these functions
+on ``M`` rows of ``D`` values (``weight``/``bias`` flat ``(D,)`` vectors in the accumulation
+dtype, :func:`accumulation_dtype`, or None for ones and zeros):
 
-* work on blocks of rows small enough that the several passes NumPy makes over a block (sum,
-  centre, square, scale, ...) hit the CPU cache instead of main memory;
-* reuse preallocated scratch blocks and ``out=`` arguments, so no temporary is allocated per
-  block;
-* split the rows into one contiguous chunk per core and run the chunks in threads: NumPy
-  releases the GIL inside its loops, so the chunks really run in parallel.
+============================  ===============================================  =================
+function                      arguments                                        returns
+============================  ===============================================  =================
+``layer_norm_forward_rows``   ``x (M, D), weight (D,), bias (D,), eps``        ``y, mean, rstd``
+``layer_norm_backward_rows``  ``dy (M, D), x (M, D), mean (M,), rstd (M,)``,   ``dx, dweight,``
+                              ``weight (D,)``                                  ``dbias``
+``rms_norm_forward_rows``     ``x (M, D), weight (D,), eps``                   ``y, rstd``
+``rms_norm_backward_rows``    ``dy (M, D), x (M, D), rstd (M,), weight (D,)``  ``dx, dweight``
+============================  ===============================================  =================
 
-Every row is computed by the same sequence of NumPy calls on a contiguous row, whatever block or
-chunk it falls in, so a row's result is bitwise independent of the rest of the batch.
+``y``/``dx`` come back in the dtype of ``x``, ``mean`` and ``rstd`` in the accumulation dtype,
+the parameter gradients in the accumulation dtype or wider; row ``i`` of a result depends on
+row ``i`` of the inputs only. ``out``, a keyword, is None or a tuple with one entry per result:
+None (the function allocates that result) or an array of exactly the result's shape and dtype,
+C-contiguous and sharing memory with no input, which the function writes the result into and
+returns. That is the whole out= protocol: a public function makes ``out`` with
+:func:`rows_out`, and an implementation writes into :func:`out_array`; both copy what was not
+written in place with :func:`written`.
+
+The NumPy path and the compiled kernel are memory-bound (each element is read once and written
+once, with a handful of flops), so :func:`run_chunks` splits the rows into one contiguous chunk
+per core and runs the chunks in threads (NumPy and cffi release the GIL), and the NumPy path
+works on blocks of rows small enough that its several passes over a block hit the cache. Every
+row is computed by the same operations on a contiguous row, whatever block or chunk it falls
+in, so a row's result is bitwise independent of the rest of the batch.
 """
 
 import math
@@ -22,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 #: Bytes of one scratch block; several of them must fit in a core's L2 cache together.
 BLOCK_BYTES = 1 << 20
 #: Below this many elements one thread is faster than handing work to the pool.
@@ -33,6 +52,7 @@ _pool_lock = threading.Lock()
 #: The thread count set by set_num_threads (1 in a forked child), or None: then
 #: LNLIB_NUM_THREADS, or else the cores available; and what set it.
 _num_threads, _num_threads_reason = None, ""
+_threads_ok = {None}  # values of LNLIB_NUM_THREADS that thread_setting accepted (None: unset)
 
 
 def cpu_threads():
@@ -63,6 +83,19 @@ def thread_setting():
             f"runs in), got {raw!r}"
         )
     return int(value), f"LNLIB_NUM_THREADS={raw}"
+
+
+def check_thread_setting():
+    """Raise ``ValueError`` for a bad ``LNLIB_NUM_THREADS``, as :func:`thread_setting` does.
+
+    The selection point asks on every call with NumPy arrays, so that small calls, which ask
+    for no threads, fail too; each value of the variable is checked once.
+    """
+    if _num_threads is None:
+        raw = os.environ.get("LNLIB_NUM_THREADS")
+        if raw not in _threads_ok:
+            thread_setting()
+            _threads_ok.add(raw)
 
 
 def get_num_threads():
@@ -291,44 +324,51 @@ def load_block(src, scratch, dtype):
     return out
 
 
-def direct_out(rows_fn, out, row_shapes, inputs, xp):
-    """The ``out=`` keyword for a row function: the out arrays it can write in place.
+def accumulation_dtype(dtype):
+    """The dtype statistics are accumulated in: float64 for float64, float32 otherwise."""
+    if not isinstance(dtype, np.dtype):
+        dtype = np.dtype(dtype)
+    return _F64 if dtype == _F64 else _F32
 
-    ``out`` is the checked tuple of :func:`lnlib._validate.out_arrays` (or None); a row function
-    that writes results into given arrays lists their positions in its attribute
-    ``writes_out``. An array is written in place
-    when it is C-contiguous and shares no memory with an input; the others are filled by
-    :func:`fill_out` afterwards, so a result is the same wherever it is written (an ``out``
-    that overlaps ``x`` gets the result computed from the unmodified ``x``).
-    Returns ``(kwargs, direct)``: the keyword arguments for the call, and per result whether it
-    was written in place.
+
+def rows_out(out, rows, inputs, xp):
+    """The ``out`` of a row function, from the checked ``out`` arrays of a public function.
+
+    ``out`` is the tuple of :func:`lnlib._validate.out_arrays`, ``rows`` the
+    ``(shape, dtype)`` of each row result. An array is passed, viewed in the row shape, when
+    it is C-contiguous, of the row result's dtype and shares memory with no input; the others
+    are filled by :func:`written` afterwards, so a result is the same wherever it is written
+    (an ``out`` that overlaps ``x`` gets the result computed from the unmodified ``x``).
+    Returns None when no array is passed.
+    """
+    passed = [None] * len(out)
+    for i, (a, (shape, dtype)) in enumerate(zip(out, rows)):
+        if a is None or a.dtype != dtype or not a.flags.c_contiguous:
+            continue
+        if not any(b is not None and xp.may_share_memory(a, b) for b in inputs):
+            # a plain ndarray view: an ndarray subclass (numpy.matrix) may not reshape to rows
+            passed[i] = xp.asarray(a).reshape(shape)
+    return tuple(passed) if any(p is not None for p in passed) else None
+
+
+def out_array(out, i, shape, dtype, xp=np):
+    """Where a row function writes result ``i``: the caller's ``out[i]``, or a new array."""
+    a = None if out is None else out[i]
+    return xp.empty(shape, dtype=dtype) if a is None else a
+
+
+def written(out, results, passed=None):
+    """``results``, each one ``out`` has an array for copied into it and replaced by it.
+
+    A result already in its array is not copied: one that is the array (a row function that
+    wrote into :func:`out_array`), or, for a public function, one whose array
+    :func:`rows_out` passed down (``passed``).
     """
     if out is None:
-        return {}, None
-    writes = getattr(rows_fn, "writes_out", ())
-    direct = tuple(
-        a is not None
-        and i in writes
-        and a.flags.c_contiguous
-        and not any(b is not None and xp.may_share_memory(a, b) for b in inputs)
-        for i, a in enumerate(out)
-    )
-    if not any(direct):
-        return {}, direct
-    # plain ndarray views: an ndarray subclass (numpy.matrix) may not reshape to rows
-    views = tuple(
-        xp.asarray(a).reshape(s) if d else None for a, s, d in zip(out, row_shapes, direct)
-    )
-    return {"out": views}, direct
-
-
-def fill_out(out, direct, results):
-    """The results to return: each given ``out`` array, holding its result, or the result."""
-    if out is None:
         return results
-    filled = []
-    for a, d, r in zip(out, direct, results):
-        if a is not None and not d:
+    done = []
+    for i, (a, r) in enumerate(zip(out, results)):
+        if a is not None and a is not r and (passed is None or passed[i] is None):
             a[...] = r
-        filled.append(r if a is None else a)
-    return tuple(filled)
+        done.append(r if a is None else a)
+    return tuple(done)

@@ -1,14 +1,53 @@
-"""Argument checks shared by every public function.
+"""Argument checks shared by every public function, and the array module of its arguments.
 
 Each check runs before any work, names the argument at fault and says what was expected.
 """
 
 import math
 import numbers
+import sys
 
 import numpy as np
 
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _is_cupy_array(a):
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(a, cupy.ndarray)
+
+
+def get_array_module(**arrays):
+    """Return ``numpy`` or ``cupy`` for the given named arguments (``None`` ones are ignored).
+
+    CuPy is imported only when an argument already is a CuPy array, so ``import lnlib`` needs
+    NumPy alone.
+
+    Raises
+    ------
+    TypeError
+        If some arguments are CuPy arrays and others are not: lnlib never copies between host
+        and device behind the caller's back.
+    """
+    if "cupy" not in sys.modules:  # no argument can be a CuPy array: the common, fast case
+        return np
+    kinds = {name: _is_cupy_array(a) for name, a in arrays.items() if a is not None}
+    if not kinds:
+        return np
+    if all(kinds.values()):
+        import cupy
+
+        return cupy
+    if any(kinds.values()):
+        on_gpu = sorted(n for n, k in kinds.items() if k)
+        on_cpu = sorted(n for n, k in kinds.items() if not k)
+        raise TypeError(
+            f"arrays from different array libraries: {', '.join(on_gpu)} "
+            f"{'is a CuPy array' if len(on_gpu) == 1 else 'are CuPy arrays'} but "
+            f"{', '.join(on_cpu)} {'is not' if len(on_cpu) == 1 else 'are not'}; "
+            "pass all arrays from NumPy or all from CuPy"
+        )
+    return np
 
 
 def not_masked(a, name):

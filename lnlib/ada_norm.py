@@ -15,8 +15,9 @@ identity on its residual branch, because the gate that multiplies the branch is 
 import numpy as np
 
 from . import _validate as check
-from ._backend import accumulation_dtype, get_array_module, select
-from ._rows import as_rows, expand_stat, sum_to_shape
+from ._backend import select
+from ._rows import accumulation_dtype, as_rows, expand_stat, sum_to_shape
+from ._validate import get_array_module
 
 __all__ = [
     "ada_layer_norm",
@@ -126,7 +127,7 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
     x, shift, scale = _inputs(x, shift, scale, xp)
     eps = check.eps_value(eps)
     k = check.normalized_ndim_value(x, normalized_ndim)
-    forward_rows = select("layer_norm_forward", xp, x.dtype)
+    forward_rows = select("layer_norm_forward", xp)
     acc, lead = accumulation_dtype(x.dtype), x.shape[: x.ndim - k]
     xhat, mean, rstd = forward_rows(as_rows(x, k), None, None, eps=eps)
     y = xhat.reshape(x.shape)  # modulated in place, in the accumulation dtype per element
@@ -190,7 +191,7 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
         scale.shape if shift_shape is None else check.shape_value(shift_shape, "shift_shape")
     )
     check.broadcast_modulation(np.empty(shift_shape, dtype=np.int8), "shift_shape", x)
-    backward_rows = select("layer_norm_backward", xp, x.dtype)
+    backward_rows = select("layer_norm_backward", xp)
     acc = accumulation_dtype(x.dtype)
     mean, rstd = mean.astype(acc, copy=False), rstd.astype(acc, copy=False)  # (N,), (N,)
     scale_shape = scale.shape

@@ -6,8 +6,9 @@ import numbers
 import numpy as np
 
 from . import _validate as check
-from ._backend import accumulation_dtype, get_array_module
-from .reference import layer_norm_dx
+from ._rows import accumulation_dtype
+from ._validate import get_array_module
+from .formulas import layer_norm_dx
 
 __all__ = ["batch_norm", "batch_norm_forward", "batch_norm_backward"]
 

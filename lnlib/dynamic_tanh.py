@@ -11,7 +11,8 @@ import numbers
 import numpy as np
 
 from . import _validate as check
-from ._backend import accumulation_dtype, get_array_module
+from ._rows import accumulation_dtype
+from ._validate import get_array_module
 
 __all__ = ["dynamic_tanh", "dynamic_tanh_backward"]
 

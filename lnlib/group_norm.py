@@ -14,7 +14,9 @@ import numbers
 import numpy as np
 
 from . import _validate as check
-from ._backend import accumulation_dtype, get_array_module, select
+from ._backend import select
+from ._rows import accumulation_dtype
+from ._validate import get_array_module
 
 __all__ = ["group_norm", "group_norm_backward", "group_norm_forward"]
 
@@ -182,7 +184,7 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     eps = check.eps_value(eps)
     n, c = x.shape[:2]
     acc = accumulation_dtype(x.dtype)
-    forward_rows = select("layer_norm_forward", xp, acc)
+    forward_rows = select("layer_norm_forward", xp)
     xhat, mean, rstd = forward_rows(_rows(x, g, acc), None, None, eps=eps)  # (N*G, D) in acc
     y = _channels(xhat.reshape(x.shape))  # (N, C, L): a fresh array, scaled in place
     if weight is not None:
@@ -251,7 +253,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     mean, rstd = (s.astype(acc, copy=False).reshape(-1) for s in (mean, rstd))
     dya = _channels(dy.astype(acc, copy=False))  # (N, C, L)
     gs = dya if weight is None else dya * _per_channel(weight, x, acc)
-    backward_rows = select("layer_norm_backward", xp, acc)
+    backward_rows = select("layer_norm_backward", xp)
     dx = backward_rows(_rows(gs, g, acc), _rows(x, g, acc), mean, rstd, None)[0]
     xhat = (_rows(x, g, acc) - mean[:, None]) * rstd[:, None]  # (N*G, D)
     # per (example, channel) sums along the contiguous axis, then over examples in float64

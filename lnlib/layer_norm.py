@@ -3,8 +3,9 @@ r"""Layer normalization (Ba, Kiros and Hinton, 2016): forward and backward."""
 import math
 
 from . import _validate as check
-from ._backend import accumulation_dtype, get_array_module, select
-from ._rows import as_rows, direct_out, fill_out, param_row
+from ._backend import select
+from ._rows import accumulation_dtype, as_rows, param_row, rows_out, written
+from ._validate import get_array_module
 
 __all__ = ["layer_norm", "layer_norm_forward", "layer_norm_backward"]
 
@@ -159,13 +160,15 @@ def layer_norm_forward(
     out = check.out_arrays(
         out, xp, [("y", x.shape, x.dtype), ("mean", lead, acc), ("rstd", lead, acc)]
     )
-    forward_rows = select("layer_norm_forward", xp, x.dtype)
+    forward_rows = select("layer_norm_forward", xp)
     m, n = math.prod(lead), math.prod(norm)
-    kwargs, direct = direct_out(forward_rows, out, ((m, n), (m,), (m,)), (x, weight, bias), xp)
+    rows = None  # the out= arrays the row function writes into
+    if out is not None:
+        rows = rows_out(out, (((m, n), x.dtype), ((m,), acc), ((m,), acc)), (x, weight, bias), xp)
     y, mean, rstd = forward_rows(
-        as_rows(x, k), param_row(weight, acc, offset), param_row(bias, acc), eps=eps, **kwargs
+        as_rows(x, k), param_row(weight, acc, offset), param_row(bias, acc), eps=eps, out=rows
     )
-    return fill_out(out, direct, (y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)))
+    return written(out, (y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)), rows)
 
 
 def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0, out=None):
@@ -237,26 +240,22 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0, ou
     out = check.out_arrays(
         out, xp, [("dx", x.shape, x.dtype), ("dweight", norm, pdtype), ("dbias", norm, pdtype)]
     )
-    backward_rows = select("layer_norm_backward", xp, x.dtype)
+    backward_rows = select("layer_norm_backward", xp)
     acc = accumulation_dtype(x.dtype)  # also for statistics saved in another dtype
     m, n = mean.size, math.prod(norm)
-    kwargs, direct = direct_out(
-        backward_rows, out, ((m, n), (n,), (n,)), (dy, x, mean, rstd, weight), xp
-    )
+    rows = None  # the out= arrays the row function writes into
+    if out is not None:
+        rows = rows_out(
+            out, (((m, n), x.dtype), ((n,), acc), ((n,), acc)), (dy, x, mean, rstd, weight), xp
+        )
     dx, dweight, dbias = backward_rows(
         as_rows(dy, k),
         as_rows(x, k),
         mean.reshape(-1).astype(acc, copy=False),
         rstd.reshape(-1).astype(acc, copy=False),
         param_row(weight, acc, offset),
-        **kwargs,
+        out=rows,
     )
-    return fill_out(
-        out,
-        direct,
-        (
-            dx.reshape(x.shape),
-            dweight.reshape(norm).astype(pdtype, copy=False),
-            dbias.reshape(norm).astype(pdtype, copy=False),
-        ),
-    )
+    dweight = dweight.reshape(norm).astype(pdtype, copy=False)
+    dbias = dbias.reshape(norm).astype(pdtype, copy=False)
+    return written(out, (dx.reshape(x.shape), dweight, dbias), rows)

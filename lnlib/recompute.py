@@ -24,9 +24,9 @@ Covered in :ref:`sec-ch05-recompute`.
 
 import numpy as np
 
-from ._backend import get_array_module
 from ._rows import expand_stat
-from .reference import layer_norm_dx, rms_norm_dx
+from ._validate import get_array_module
+from .formulas import layer_norm_dx, rms_norm_dx
 
 __all__ = [
     "layer_norm_backward_from_output",

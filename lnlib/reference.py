@@ -4,7 +4,9 @@ These are the versions derived in the chapter "The math of LayerNorm"; the publi
 :mod:`lnlib` compute the same quantities faster and are tested against these. Arguments are
 the same as those of the public functions, but nothing is validated here. The
 :mod:`lnlib._backend` selection point also runs them as the ``"reference"`` implementation
-(on NumPy or CuPy arrays).
+(on NumPy or CuPy arrays), through the row functions at the end of this module. The backward
+formulas from :math:`\hat{x}` are those of :mod:`lnlib.formulas`, which production code uses
+too.
 
 Notation of the book: a row is one slice over the normalized axes, of ``D`` values; ``N``
 rows; ``mean`` is :math:`\mu`, ``rstd`` is :math:`r = 1/\sqrt{\sigma^2 + \epsilon}`,
@@ -19,9 +21,25 @@ import functools
 
 import numpy as np
 
-from ._backend import accumulation_dtype, get_array_module
+from ._rows import accumulation_dtype, sum_to_shape, written
 from ._rows import expand_stat as _expand
-from ._rows import sum_to_shape
+from ._validate import get_array_module
+from .formulas import layer_norm_dx, rms_norm_dx
+
+__all__ = [
+    "layer_norm_forward",
+    "layer_norm_backward",
+    "rms_norm_forward",
+    "rms_norm_backward",
+    "ada_layer_norm_forward",
+    "ada_layer_norm_backward",
+    "batch_norm_forward",
+    "batch_norm_backward",
+    "group_norm_forward",
+    "group_norm_backward",
+    "dynamic_tanh",
+    "dynamic_tanh_backward",
+]
 
 
 def _quiet(fn):
@@ -47,77 +65,6 @@ def _rstd(var, eps):
     too small for float32 (below about 1e-45) still counts.
     """
     return (1 / (var.astype("float64") + eps) ** 0.5).astype(var.dtype)
-
-
-def layer_norm_dx(g, xhat, rstd, axes=None, means=None):
-    r"""The LayerNorm backward from :math:`\hat{x}`: the one copy of this formula in lnlib.
-
-    .. math::
-
-        dx = r\,\big(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\big),
-        \qquad g = dy\,\gamma,
-
-    the bars being means over the normalized values (the ``D`` values of a row for LayerNorm,
-    the ``m`` values of a channel for BatchNorm). Used by the reference, BatchNorm, the
-    recompute-from-output and sharded backwards, and AdaLN's reference backward.
-
-    Parameters
-    ----------
-    g, xhat : ndarray, same shape
-        :math:`g = dy\,\gamma` and :math:`\hat{x}`, in the accumulation dtype.
-    rstd : ndarray, broadcastable against ``g`` (size-1 normalized axes)
-        :math:`r` of each row (or channel).
-    axes : tuple of int, optional
-        The normalized axes the means run over, when ``means`` is None.
-    means : tuple of two ndarrays, optional
-        :math:`(\overline{g}, \overline{g\hat{x}})`, broadcastable against ``g``, when
-        they were computed elsewhere (summed over blocks or gathered from shards).
-
-    Returns
-    -------
-    dx : ndarray, shape and dtype of ``g``
-        Gradient of the loss with respect to the input of the normalization.
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch02-backward`.
-    """
-    if means is None:
-        means = (
-            g.mean(axis=axes, keepdims=True),  # (N, 1)
-            (g * xhat).mean(axis=axes, keepdims=True),
-        )  # (N, 1)
-    g_mean, gxhat_mean = means
-    return rstd * (g - g_mean - xhat * gxhat_mean)  # (N, D)
-
-
-def rms_norm_dx(g, xhat, rstd, axes):
-    r"""The RMSNorm backward from :math:`\hat{x} = x\,r`: the one copy of this formula.
-
-    .. math::
-
-        dx = r\,\big(g - \hat{x}\,\overline{g\hat{x}}\big), \qquad g = dy\,\gamma .
-
-    Parameters
-    ----------
-    g, xhat : ndarray, same shape
-        :math:`g = dy\,\gamma` and :math:`\hat{x} = x\,r`, in the accumulation dtype.
-    rstd : ndarray, broadcastable against ``g`` (size-1 normalized axes)
-        :math:`r` of each row.
-    axes : tuple of int
-        The normalized axes the mean runs over.
-
-    Returns
-    -------
-    dx : ndarray, shape and dtype of ``g``
-        Gradient of the loss with respect to ``x``.
-
-    Notes
-    -----
-    Covered in :doc:`/book/04_variants`, section "RMSNorm", "The backward pass".
-    """
-    gxhat_mean = (g * xhat).mean(axis=axes, keepdims=True)  # (N, 1)
-    return rstd * (g - xhat * gxhat_mean)  # (N, D)
 
 
 @_quiet
@@ -619,3 +566,32 @@ def dynamic_tanh_backward(dy, x, alpha, weight=None):
     dweight = (dya * t).sum(axis=rows).astype(pdtype)  # (D,)
     dbias = dya.sum(axis=rows).astype(pdtype)  # (D,)
     return dx, dalpha, dweight, dbias
+
+
+# The "reference" implementation of lnlib._backend: the row contract (lnlib._rows) on the
+# functions above.
+
+
+def available():
+    """The reference runs wherever NumPy (or CuPy) does: ``(True, reason)``."""
+    return True, "always available"
+
+
+def layer_norm_forward_rows(x, weight, bias, eps, *, out=None):
+    """:func:`layer_norm_forward` on rows, with the ``out`` of the row contract."""
+    return written(out, layer_norm_forward(x, weight, bias, eps=eps))
+
+
+def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, out=None):
+    """:func:`layer_norm_backward` on rows, with the ``out`` of the row contract."""
+    return written(out, layer_norm_backward(dy, x, mean, rstd, weight))
+
+
+def rms_norm_forward_rows(x, weight, eps, *, out=None):
+    """:func:`rms_norm_forward` on rows, with the ``out`` of the row contract."""
+    return written(out, rms_norm_forward(x, weight, eps=eps))
+
+
+def rms_norm_backward_rows(dy, x, rstd, weight, *, out=None):
+    """:func:`rms_norm_backward` on rows, with the ``out`` of the row contract."""
+    return written(out, rms_norm_backward(dy, x, rstd, weight))

@@ -3,8 +3,9 @@ r"""Root-mean-square layer normalization (Zhang and Sennrich, 2019): forward and
 import math
 
 from . import _validate as check
-from ._backend import accumulation_dtype, get_array_module, select
-from ._rows import as_rows, direct_out, fill_out, param_row
+from ._backend import select
+from ._rows import accumulation_dtype, as_rows, param_row, rows_out, written
+from ._validate import get_array_module
 
 __all__ = ["rms_norm", "rms_norm_forward", "rms_norm_backward"]
 
@@ -129,11 +130,13 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
     offset = check.weight_offset_value(weight_offset, weight)
     acc, lead = accumulation_dtype(x.dtype), x.shape[: x.ndim - k]
     out = check.out_arrays(out, xp, [("y", x.shape, x.dtype), ("rstd", lead, acc)])
-    forward_rows = select("rms_norm_forward", xp, x.dtype)
+    forward_rows = select("rms_norm_forward", xp)
     m, n = math.prod(lead), math.prod(norm)
-    kwargs, direct = direct_out(forward_rows, out, ((m, n), (m,)), (x, weight), xp)
-    y, rstd = forward_rows(as_rows(x, k), param_row(weight, acc, offset), eps=eps, **kwargs)
-    return fill_out(out, direct, (y.reshape(x.shape), rstd.reshape(lead)))
+    rows = None  # the out= arrays the row function writes into
+    if out is not None:
+        rows = rows_out(out, (((m, n), x.dtype), ((m,), acc)), (x, weight), xp)
+    y, rstd = forward_rows(as_rows(x, k), param_row(weight, acc, offset), eps=eps, out=rows)
+    return written(out, (y.reshape(x.shape), rstd.reshape(lead)), rows)
 
 
 def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0, out=None):
@@ -194,17 +197,18 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0, out=None):
     offset = check.weight_offset_value(weight_offset, weight)
     pdtype = x.dtype if weight is None else weight.dtype
     out = check.out_arrays(out, xp, [("dx", x.shape, x.dtype), ("dweight", norm, pdtype)])
-    backward_rows = select("rms_norm_backward", xp, x.dtype)
+    backward_rows = select("rms_norm_backward", xp)
     acc = accumulation_dtype(x.dtype)
     m, n = rstd.size, math.prod(norm)
-    kwargs, direct = direct_out(backward_rows, out, ((m, n), (n,)), (dy, x, rstd, weight), xp)
+    rows = None  # the out= arrays the row function writes into
+    if out is not None:
+        rows = rows_out(out, (((m, n), x.dtype), ((n,), acc)), (dy, x, rstd, weight), xp)
     dx, dweight = backward_rows(
         as_rows(dy, k),
         as_rows(x, k),
         rstd.reshape(-1).astype(acc, copy=False),
         param_row(weight, acc, offset),
-        **kwargs,
+        out=rows,
     )
-    return fill_out(
-        out, direct, (dx.reshape(x.shape), dweight.reshape(norm).astype(pdtype, copy=False))
-    )
+    dweight = dweight.reshape(norm).astype(pdtype, copy=False)
+    return written(out, (dx.reshape(x.shape), dweight), rows)

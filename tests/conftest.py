@@ -1,6 +1,9 @@
 """Shared fixtures and helpers for the lnlib tests."""
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,6 +22,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "lnlib"))
 TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 4e-3}
 
 
+def _skip_without_kernel():
+    import lnlib
+
+    kernel = lnlib.show_config(file=False)["implementations"]["kernel"]
+    if not kernel["available"]:
+        pytest.skip(f"compiled kernel not available: {kernel['reason']}")
+
+
 @pytest.fixture(params=["kernel", "numpy"])
 def cpu_path(request):
     """Run a test once with the compiled CPU kernel and once with the NumPy fast path.
@@ -29,13 +40,41 @@ def cpu_path(request):
     import lnlib
 
     if request.param == "kernel":
-        kernel = lnlib.show_config(file=False)["implementations"]["kernel"]
-        if not kernel["available"]:
-            pytest.skip(f"compiled kernel not available: {kernel['reason']}")
+        _skip_without_kernel()
         yield "kernel"
     else:
         with lnlib.use_implementation("numpy"):
             yield "numpy"
+
+
+@pytest.fixture(params=["kernel", "numpy", "reference"])
+def any_path(request):
+    """Every call of the test under one CPU implementation, forced: the compiled kernel, the
+    NumPy path, the reference."""
+    import lnlib
+
+    if request.param == "kernel":
+        _skip_without_kernel()
+    with lnlib.use_implementation(request.param):
+        yield request.param
+
+
+def run_json(code, *, python=sys.executable, env=None, cwd=None, timeout=300):
+    """Run the Python source ``code`` in a fresh process; return the JSON of its last line.
+
+    Fails the test, with the end of its stderr, when the process exits with an error.
+    """
+    done = subprocess.run(
+        [str(python), "-c", code],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, f"the process failed ({done.returncode}): {done.stderr[-3000:]}"
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def _cupy_with_gpu():

@@ -2,15 +2,14 @@
 
 import json
 import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from conftest import run_json
 
 import lnlib
-from lnlib import _backend, _rows
+from lnlib import _rows
 
 # 8 threads wait at a barrier, then each makes its first lnlib call (the first load of the
 # kernel module happens in one of them). A switch interval of 1 us makes the interpreter
@@ -45,16 +44,7 @@ print(json.dumps({"errors": errors, "done": sorted(results), "same": same}))
 
 
 def _first_calls(env):
-    done = subprocess.run(
-        [sys.executable, "-c", FIRST_CALLS],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_json(FIRST_CALLS, env=env)
 
 
 def test_first_calls_from_eight_threads_at_once():
@@ -75,7 +65,6 @@ def thread_state(monkeypatch):
     monkeypatch.delenv("LNLIB_NUM_THREADS", raising=False)
     monkeypatch.setattr(_rows, "_num_threads", None)
     monkeypatch.setattr(_rows, "_num_threads_reason", "")
-    monkeypatch.setattr(_backend, "_SELECTED", {})
     return monkeypatch
 
 

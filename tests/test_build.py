@@ -12,7 +12,6 @@ tens of seconds. They skip only with a stated reason (not a git checkout, no C c
 ``venv``); with ``LNLIB_REQUIRE_BUILD=1`` such a skip is a failure.
 """
 
-import json
 import os
 import shutil
 import struct
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_json
 
 import lnlib
 from lnlib._cpu import c_kernel
@@ -146,17 +146,7 @@ def _fresh_venv(tmp, wheel):
 def _probe(python, tmp):
     """Run PROBE with ``python`` in an empty folder, with no C compiler on PATH."""
     env = {"PATH": str(python.parent), "HOME": str(tmp), "LANG": "C.UTF-8"}
-    done = subprocess.run(
-        [str(python), "-c", PROBE],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_json(PROBE, python=python, env=env, cwd=tmp)
 
 
 def _kernel_warnings(result):
@@ -259,17 +249,7 @@ def test_never_builds_or_loads_from_cache_or_temp_folders(tmp_path):
         HOME=str(folders["home"]),
         TMPDIR=str(folders["tmp"]),
     )
-    done = subprocess.run(
-        [sys.executable, "-c", NO_CACHE_PROBE],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.splitlines()[-1])
+    result = run_json(NO_CACHE_PROBE, env=env, cwd=tmp_path)
     assert result["info"]["kernel"]
     assert Path(result["info"]["path"]).parent == Path(c_kernel.__file__).parent
     for folder in folders.values():
@@ -348,17 +328,7 @@ def package_copy(tmp_path):
 
 def _probe_copy(tmp):
     env = dict(os.environ, PYTHONPATH=str(tmp), LNLIB_CPU_KERNEL="1")
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, f"the process died ({done.returncode}): {done.stderr[-2000:]}"
-    result = json.loads(done.stdout.splitlines()[-1])
+    result = run_json(PROBE, env=env, cwd=tmp)
     assert Path(result["lnlib"]).parent == tmp / "lnlib"  # the copy ran, not this checkout
     return result
 

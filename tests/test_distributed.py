@@ -5,15 +5,10 @@ import time
 
 import numpy as np
 import pytest
+from distributed_harness import problem, run_mismatched, run_sharded
 
 from lnlib import reference
-from lnlib.distributed import (
-    _problem,
-    merge_moments,
-    partial_moments,
-    run_sharded,
-    shard_bounds,
-)
+from lnlib.distributed import merge_moments, partial_moments, shard_bounds
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -75,7 +70,7 @@ def test_sharded_equals_single_process(world_size, D, tmp_path):
     assert set(multiprocessing.active_children()) <= before, "a worker outlived the test"
     assert elapsed < 60.0
 
-    x, weight, bias, dy = _problem(N, D, seed)
+    x, weight, bias, dy = problem(N, D, seed)
     y, mean, rstd = reference.layer_norm_forward(x, weight, bias, eps=1e-5)
     dx, dweight, dbias = reference.layer_norm_backward(dy, x, mean, rstd, weight)
 
@@ -102,8 +97,6 @@ def test_mismatched_ranks_raise_clear_errors_on_every_rank(tmp_path):
     """Issue 8: different row counts or dtypes aborted one rank (SIGABRT in gloo) and gave
     another wrong statistics; now every rank raises a ValueError naming the mismatch (also
     when only one rank has a bad shape, which left the others waiting)."""
-    from lnlib.distributed import run_mismatched
-
     results = run_mismatched(2, tmp_path, timeout_s=60.0)
     assert len(results) == 2
     for errors in results:

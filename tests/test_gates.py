@@ -66,12 +66,14 @@ def _methods(cls):
 def _public_objects(methods=True):
     """(qualified name, object) of every public function and class of lnlib, and their methods."""
     import lnlib.distributed
+    import lnlib.formulas
     import lnlib.recompute
     import lnlib.reference
     import lnlib.torch_bridge
 
     seen = []
-    modules = (lnlib, lnlib.reference, lnlib.torch_bridge, lnlib.recompute, lnlib.distributed)
+    modules = (lnlib, lnlib.reference, lnlib.formulas, lnlib.torch_bridge, lnlib.recompute)
+    modules += (lnlib.distributed,)
     for module in modules:
         for name in _public_names(module):
             obj = getattr(module, name)

@@ -95,7 +95,7 @@ def test_cupy_input_selects_the_cuda_kernels():
 
     assert cuda_kernel.available()[0], cuda_kernel.available()[1]
     for op in _backend.OPS:
-        assert _backend.select(op, cp, np.float32) is getattr(cuda_kernel, f"{op}_rows")
+        assert _backend.select(op, cp) is getattr(cuda_kernel, f"{op}_rows")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

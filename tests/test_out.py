@@ -163,17 +163,6 @@ def test_bad_out_is_refused_before_anything_is_written(cpu_path, rng):
         lnlib.rms_norm_backward(dy, x, mean, w, out=(np.empty_like(x), np.empty(3, np.float32)))
 
 
-@pytest.fixture(params=["kernel", "numpy", "reference"])
-def any_path(request):
-    """Every CPU implementation: the compiled kernel, the NumPy path and the reference."""
-    if request.param == "kernel":
-        kernel = lnlib.show_config(file=False)["implementations"]["kernel"]
-        if not kernel["available"]:
-            pytest.skip(f"compiled kernel not available: {kernel['reason']}")
-    with lnlib.use_implementation(request.param):
-        yield request.param
-
-
 def _overlapping(rng, shape, dtype, shift):
     """An input and an out array of ``shape`` in one buffer, ``abs(shift)`` elements apart
     (the out array after the input for shift > 0, before it for shift < 0): they partly

@@ -20,17 +20,6 @@ class Tagged(np.ndarray):
     """A subclass that adds nothing, as libraries make them (units, metadata, ...)."""
 
 
-@pytest.fixture(params=["kernel", "numpy", "reference"])
-def implementation(request):
-    """Every call of the test under one implementation (kernel, NumPy path, reference)."""
-    if request.param == "kernel":
-        kernel = lnlib.show_config(file=False)["implementations"]["kernel"]
-        if not kernel["available"]:
-            pytest.skip(f"compiled kernel not available: {kernel['reason']}")
-    with lnlib.use_implementation(request.param):
-        yield request.param
-
-
 def _data(rng, dtype=np.float32):
     """Named arrays for every op: x (N, C) = (4, 6), so that numpy.matrix can hold x."""
     a = {
@@ -143,7 +132,7 @@ def _results(r):
 
 @pytest.mark.parametrize("kind", ["matrix", "memmap", "tagged"])
 @pytest.mark.parametrize("name", sorted(CALLS))
-def test_subclasses_give_the_plain_results_on_every_path(implementation, rng, tmp_path, name, kind):
+def test_subclasses_give_the_plain_results_on_every_path(any_path, rng, tmp_path, name, kind):
     plain = _data(rng)
     wrapped = _wrap(kind, {k: v.copy() for k, v in plain.items()}, tmp_path)
     before = {k: np.array(v) for k, v in wrapped.items()}
@@ -153,7 +142,7 @@ def test_subclasses_give_the_plain_results_on_every_path(implementation, rng, tm
     for i, (g, w) in enumerate(zip(got, want)):
         assert type(g) is np.ndarray, f"{name} result {i} is a {type(g).__name__}"
         assert g.shape == w.shape and g.dtype == w.dtype, f"{name} result {i}"
-        np.testing.assert_array_equal(g, w, err_msg=f"{name} result {i} ({implementation})")
+        np.testing.assert_array_equal(g, w, err_msg=f"{name} result {i} ({any_path})")
     for k, v in wrapped.items():
         # only batch_norm's running statistics change (in place, by design): as the plain ones
         expect = plain[k] if k in ("rm", "rv") else before[k]
@@ -161,7 +150,7 @@ def test_subclasses_give_the_plain_results_on_every_path(implementation, rng, tm
 
 
 @pytest.mark.parametrize("kind", ["matrix", "tagged"])
-def test_out_of_a_subclass_is_written_and_returned(implementation, rng, tmp_path, kind):
+def test_out_of_a_subclass_is_written_and_returned(any_path, rng, tmp_path, kind):
     a = _data(rng)
     want = lnlib.layer_norm_forward(a["x"], a["w"], a["b"])
     want_dx = lnlib.layer_norm_backward(a["dy"], a["x"], a["mean"], a["rstd"], a["w"])
@@ -184,7 +173,7 @@ def test_out_of_a_subclass_is_written_and_returned(implementation, rng, tmp_path
     np.testing.assert_array_equal(np.asarray(ry), lnlib.rms_norm(a["x"], a["w"]))
 
 
-def test_masked_arrays_are_refused_everywhere(implementation, rng):
+def test_masked_arrays_are_refused_everywhere(any_path, rng):
     a = _data(rng)
     masked = np.ma.masked_array(a["x"], mask=a["x"] > 2)
     for call in (

@@ -210,9 +210,7 @@ def test_kernel_switched_off_by_every_off_value(monkeypatch, value):
     monkeypatch.setenv("LNLIB_CPU_KERNEL", value)
     kernel = lnlib.show_config(file=False)["implementations"]["kernel"]
     assert not kernel["available"] and "LNLIB_CPU_KERNEL" in kernel["reason"]
-    assert (
-        _backend.select("layer_norm_forward", np, np.float32).__module__ == "lnlib._cpu.numpy_path"
-    )
+    assert _backend.select("layer_norm_forward", np).__module__ == "lnlib._cpu.numpy_path"
     with pytest.raises(RuntimeError, match="not available here: disabled by LNLIB_CPU_KERNEL"):
         with lnlib.use_implementation("kernel"):
             lnlib.layer_norm(X.astype(np.float32))
@@ -226,21 +224,10 @@ def test_unknown_kernel_setting_is_an_error(monkeypatch):
     assert "LNLIB_CPU_KERNEL must be one of" in config["implementations"]["kernel"]["reason"]
 
 
-def test_use_implementation_names_and_errors(monkeypatch):
+def test_use_implementation_names_and_errors():
     with pytest.raises(ValueError, match="name must be one of .*'numpy'.* got 'fast'"):
         with lnlib.use_implementation("fast"):
             pass
-    # every implementation takes the three float dtypes; one that did not would say so
-    from dataclasses import replace
-
-    from lnlib import _backend
-
-    narrow = replace(_backend._REGISTRY["numpy"], dtypes=(np.dtype(np.float32),))
-    monkeypatch.setitem(_backend._REGISTRY, "numpy", narrow)
-    monkeypatch.setattr(_backend, "_SELECTED", {})  # choices cached by earlier tests
-    with pytest.raises(TypeError, match=r"use_implementation\('numpy'\).*takes float32.*float16"):
-        with lnlib.use_implementation("numpy"):
-            lnlib.layer_norm(X.astype(np.float16))
     with pytest.raises(TypeError, match=r"use_implementation\('cuda'\).*cupy arrays.*numpy"):
         with lnlib.use_implementation("cuda"):
             lnlib.layer_norm(X)
@@ -262,7 +249,7 @@ def test_forced_implementations_compute_the_same(rng, name):
     with lnlib.use_implementation(name):
         assert lnlib.show_config(file=False)["forced"] == name
         if name in modules:
-            fn = _backend.select("layer_norm_forward", np, np.float64)
+            fn = _backend.select("layer_norm_forward", np)
             assert fn.__module__ == modules[name], f"{name} selected {fn.__module__}"
         got = lnlib.layer_norm_forward(x, np.ones(7), np.zeros(7))
     for g, w in zip(got, lnlib.reference.layer_norm_forward(x, np.ones(7), np.zeros(7))):

@@ -176,7 +176,7 @@ class GluedImagePaths(SphinxPostTransform):
     where every page is a file); the LaTeX builder resolves the references of the whole book
     at once as the root page (``book/intro``), so that every pasted image comes out as
     ``../<sha256>.png``, while LaTeX reads it from the output folder, where
-    tools/lnlib_glue.py wrote it. XeLaTeX would stop at the first one.
+    book/_ext/lnlib_glue.py wrote it. XeLaTeX would stop at the first one.
     """
 
     builders = ("latex",)

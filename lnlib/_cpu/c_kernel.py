@@ -1,5 +1,5 @@
-r"""The compiled C kernels behind the row signature of :mod:`lnlib._backend` (float16, float32,
-float64).
+r"""The compiled C kernels, the ``"kernel"`` row of :data:`lnlib._backend.TABLE`: the row
+contract of :mod:`lnlib._rows` for float16, float32 and float64.
 
 The C source is ``lnlib/_cpu/norms.c`` (declarations in ``norms.h``). It is compiled
 when the package is built (``pip install``, ``pip wheel``, the editable install of
@@ -42,14 +42,13 @@ import warnings
 
 import numpy as np
 
-from .._rows import run_chunks
+from .._rows import out_array, run_chunks, written
 
 __all__ = [
     "PASSES",
     "available",
     "info",
     "layer_norm_backward_rows",
-    "load_result",
     "layer_norm_forward_rows",
     "rms_norm_backward_rows",
     "rms_norm_forward_rows",
@@ -119,6 +118,9 @@ _DIGEST_FILE = "_norms.sha256"  # beside the module: its sha256, written by the 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _lock = threading.Lock()
 _state = {"module": None, "loaded": False, "reason": "not loaded yet", "path": None}
+#: Values of ``LNLIB_CPU_KERNEL`` that switch the compiled kernel off, and those that keep it.
+_OFF = ("0", "false", "no", "off")
+_ON = ("", "1", "true", "yes", "on")
 
 
 def _load():
@@ -214,15 +216,6 @@ def _caller_level():
     return level
 
 
-def load_result():
-    """``(tried, module)``: whether the first load of the extension was tried, and the loaded
-    module (None before the try, or where it failed). Loads nothing: the selection point asks
-    this to know whether a choice it made can be kept."""
-    # _module() sets both in one dict update, under the GIL: "loaded" is never seen True
-    # with the module not yet in place
-    return _state["loaded"], _state["module"]
-
-
 def info():
     """Whether the compiled kernel runs here, and why.
 
@@ -257,16 +250,32 @@ def info():
 
 
 def available():
-    """Whether the compiled kernel can run here (the selection point asks this).
+    """Whether the compiled kernel runs here: the selection point asks on every call.
 
     Returns
     -------
     usable : bool
-        True when the extension module was built with the package and loads.
+        True when ``LNLIB_CPU_KERNEL`` does not switch it off (0, false, no, off) and the
+        extension module built with the package loads (the first call loads it).
     reason : str
-        The loaded module's path, or why it cannot be used. The first call that finds it
-        unusable also warns (:class:`RuntimeWarning`), once per process.
+        The loaded module's path, or why the kernel does not run. The first call that finds
+        the module unusable also warns (:class:`RuntimeWarning`), once per process.
+
+    Raises
+    ------
+    ValueError
+        ``LNLIB_CPU_KERNEL`` is neither on (1, true, yes, on, or empty) nor off.
     """
+    raw = os.environ.get("LNLIB_CPU_KERNEL", "")
+    if raw not in _ON:  # the common case, "" (not set), without the string operations
+        value = raw.strip().lower()
+        if value in _OFF:
+            return False, f"disabled by LNLIB_CPU_KERNEL={raw}"
+        if value not in _ON:
+            raise ValueError(
+                f"LNLIB_CPU_KERNEL must be one of {', '.join(_ON[1:])} (use the kernel) or "
+                f"{', '.join(_OFF)} (do not), got {raw!r}"
+            )
     return _module() is not None, _state["reason"]
 
 
@@ -407,28 +416,11 @@ def _threads(threads, nbytes):
     return threads
 
 
-def _take(out, i, shape, dtype):
-    """``out[i]`` (a checked array the caller gave for this result), or a new array."""
-    a = None if out is None else out[i]
-    return np.empty(shape, dtype=dtype) if a is None else a
-
-
 def _ok(status):
     """Check a kernel's return: the float16 kernels return 1 when their scratch rows cannot be
     allocated (the float32 and float64 ones return nothing)."""
     if status:
         raise MemoryError("lnlib: the float16 kernel could not allocate its scratch rows")
-
-
-def _writes_out(*results):
-    """Mark a row function that writes the given results (by position) into the arrays of its
-    ``out=`` keyword (:func:`lnlib._rows.direct_out` reads the mark)."""
-
-    def mark(fn):
-        fn.writes_out = results
-        return fn
-
-    return mark
 
 
 def _wider_dy(x, dy):
@@ -445,15 +437,14 @@ def _as_f32(x):
 
 def _half_dx(dx, out):
     """``dx`` of the float32 kernel rounded once to float16 (to nearest, ties to even, as the
-    float16 kernels round), into the ``out=`` array when one was given; no warning where a
+    float16 kernels round), into the ``out`` array when one was given; no warning where a
     value overflows to inf (the kernels do not warn either)."""
-    half = _take(out, 0, dx.shape, _F16)
+    half = out_array(out, 0, dx.shape, _F16)
     with np.errstate(over="ignore"):
         np.copyto(half, dx, casting="same_kind")
     return half
 
 
-@_writes_out(0, 1, 2)
 def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     """LayerNorm forward of rows with the compiled kernel.
 
@@ -469,10 +460,10 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     threads : int, optional
         Chunks of rows run in this many threads (default: :func:`lnlib.get_num_threads`); the
         results do not depend on it.
-    out : tuple of (ndarray or None), optional
-        Arrays to write ``y``, ``mean`` and ``rstd`` into (contiguous, of the result's shape
-        and dtype, overlapping no input: the public functions check); None entries are
-        allocated.
+    out : tuple of 3 (ndarray or None), optional
+        Arrays to write ``y``, ``mean`` and ``rstd`` into, as the row contract of
+        :mod:`lnlib._rows` says (C-contiguous, of the result's shape and dtype, overlapping
+        no input); None entries are allocated.
 
     Returns
     -------
@@ -483,10 +474,10 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     fn = _c_function("layer_norm_forward", x.dtype)
     x, acc = _rows(x, x.dtype), _ACC[x.dtype]
     weight, bias = _vector(weight, n, acc, 1), _vector(bias, n, acc, 0)
-    y = _take(out, 0, (m, n), x.dtype)  # (M, D)
+    y = out_array(out, 0, (m, n), x.dtype)  # (M, D)
     # mean and rstd in buffers of their own: a caller that keeps only rstd (the backward from
     # the output) must not keep mean alive with it
-    mean, rstd = _take(out, 1, m, acc), _take(out, 2, m, acc)  # (M,), (M,)
+    mean, rstd = out_array(out, 1, m, acc), out_array(out, 2, m, acc)  # (M,), (M,)
     p_x, p_w, p_b = _pointer(x), _pointer(weight), _pointer(bias)
     p_y, p_mean = _pointer(y, writable=True), _pointer(mean, writable=True)
     p_rstd = _pointer(rstd, writable=True)
@@ -512,7 +503,6 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     return y, mean, rstd
 
 
-@_writes_out(0)
 def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=None):
     """LayerNorm backward of rows with the compiled kernel.
 
@@ -528,9 +518,9 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
         Converted to the accumulation dtype; None means ones.
     threads : int, optional
         As in :func:`layer_norm_forward_rows`; the results do not depend on it.
-    out : tuple, optional
-        ``(dx, None, None)``: an array to write ``dx`` into (the parameter gradients are
-        always new arrays).
+    out : tuple of 3 (ndarray or None), optional
+        Arrays to write ``dx``, ``dweight`` and ``dbias`` into, as in
+        :func:`layer_norm_forward_rows`.
 
     Returns
     -------
@@ -542,13 +532,13 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
         dx, dweight, dbias = layer_norm_backward_rows(
             dy, _as_f32(x), mean, rstd, weight, threads=threads
         )
-        return _half_dx(dx, out), dweight, dbias
+        return written(out, (_half_dx(dx, out), dweight, dbias))
     m, n = x.shape
     fn = _c_function("layer_norm_backward", x.dtype)
     x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]
     mean, rstd = (np.ascontiguousarray(a, dtype=acc) for a in (mean, rstd))  # (M,)
     weight = _vector(weight, n, acc, 1)
-    dx = _take(out, 0, (m, n), x.dtype)  # (M, D)
+    dx = out_array(out, 0, (m, n), x.dtype)  # (M, D)
     blocks = _column_blocks(m, n, 2)  # (2, blocks, D) float64: dweight's, then dbias's
     p_dy, p_x, p_mean, p_rstd, p_w = (_pointer(a) for a in (dy, x, mean, rstd, weight))
     p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)
@@ -576,11 +566,9 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
 
     rows = _state["module"].lib.NORMS_BLOCK_ROWS
     run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, x.nbytes + dy.nbytes))
-    dweight, dbias = _column_totals(blocks, p_dw, acc)
-    return dx, dweight, dbias
+    return written(out, (dx, *_column_totals(blocks, p_dw, acc)))
 
 
-@_writes_out(0, 1)
 def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
     """RMSNorm forward of rows with the compiled kernel.
 
@@ -594,8 +582,8 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
         Added to the mean square.
     threads : int, optional
         As in :func:`layer_norm_forward_rows`; the results do not depend on it.
-    out : tuple, optional
-        Arrays to write ``y`` and ``rstd`` into, or None entries.
+    out : tuple of 2 (ndarray or None), optional
+        Arrays to write ``y`` and ``rstd`` into, as in :func:`layer_norm_forward_rows`.
 
     Returns
     -------
@@ -606,7 +594,7 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
     fn = _c_function("rms_norm_forward", x.dtype)
     x, acc = _rows(x, x.dtype), _ACC[x.dtype]
     weight = _vector(weight, n, acc, 1)
-    y, rstd = _take(out, 0, (m, n), x.dtype), _take(out, 1, m, acc)  # (M, D), (M,)
+    y, rstd = out_array(out, 0, (m, n), x.dtype), out_array(out, 1, m, acc)  # (M, D), (M,)
     p_x, p_w = _pointer(x), _pointer(weight)
     p_y, p_rstd = _pointer(y, writable=True), _pointer(rstd, writable=True)
     ld = _ld(x)
@@ -618,7 +606,6 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
     return y, rstd
 
 
-@_writes_out(0)
 def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     """RMSNorm backward of rows with the compiled kernel.
 
@@ -633,8 +620,8 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
         Converted to the accumulation dtype; None means ones.
     threads : int, optional
         As in :func:`layer_norm_forward_rows`; the results do not depend on it.
-    out : tuple, optional
-        ``(dx, None)``: an array to write ``dx`` into.
+    out : tuple of 2 (ndarray or None), optional
+        Arrays to write ``dx`` and ``dweight`` into, as in :func:`layer_norm_forward_rows`.
 
     Returns
     -------
@@ -643,13 +630,13 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     """
     if _wider_dy(x, dy):
         dx, dweight = rms_norm_backward_rows(dy, _as_f32(x), rstd, weight, threads=threads)
-        return _half_dx(dx, out), dweight
+        return written(out, (_half_dx(dx, out), dweight))
     m, n = x.shape
     fn = _c_function("rms_norm_backward", x.dtype)
     x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]
     rstd = np.ascontiguousarray(rstd, dtype=acc)  # (M,)
     weight = _vector(weight, n, acc, 1)
-    dx = _take(out, 0, (m, n), x.dtype)  # (M, D)
+    dx = out_array(out, 0, (m, n), x.dtype)  # (M, D)
     blocks = _column_blocks(m, n)  # (1, blocks, D) float64
     p_dy, p_x, p_rstd, p_w = (_pointer(a) for a in (dy, x, rstd, weight))
     p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)
@@ -674,4 +661,4 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
 
     rows = _state["module"].lib.NORMS_BLOCK_ROWS
     run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, x.nbytes + dy.nbytes))
-    return dx, _column_totals(blocks, p_dw, acc)[0]
+    return written(out, (dx, _column_totals(blocks, p_dw, acc)[0]))

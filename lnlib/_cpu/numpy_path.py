@@ -1,9 +1,9 @@
 """The NumPy fast path of the row operations: blocked, multi-threaded, every float dtype.
 
-Each function takes rows ``(M, D)`` (any row stride) with the signature listed in
-:mod:`lnlib._backend`; ``weight``/``bias`` are flat ``(D,)`` vectors in the accumulation dtype
-or None. See :mod:`lnlib._rows` for the blocking and threading, and the book, chapter 5, for
-how each step was chosen.
+Each function takes rows ``(M, D)`` (any row stride) with the row contract of
+:mod:`lnlib._rows` (``out`` included); ``weight``/``bias`` are flat ``(D,)`` vectors in the
+accumulation dtype or None. See :mod:`lnlib._rows` for the blocking and threading, and the
+book, chapter 5, for how each step was chosen.
 
 As on the kernel path: every sum over a row is one BLAS dot per block of :data:`ROW_BLOCK`
 elements with the blocks' sums added in float64 (:func:`row_dots`), so its rounding error does
@@ -14,10 +14,18 @@ in their rows' results without floating-point warnings.
 
 import numpy as np
 
-from .._backend import accumulation_dtype
-from .._rows import add_in_order, column_group_sums, load_block, run_chunks
+from .._rows import (
+    accumulation_dtype,
+    add_in_order,
+    column_group_sums,
+    load_block,
+    out_array,
+    run_chunks,
+    written,
+)
 
 __all__ = [
+    "available",
     "layer_norm_forward_rows",
     "layer_norm_backward_rows",
     "rms_norm_forward_rows",
@@ -27,6 +35,11 @@ __all__ = [
 
 #: Elements per partial sum of a row in :func:`row_dots`: shorter rows are one dot each.
 ROW_BLOCK = 4096
+
+
+def available():
+    """The NumPy path runs wherever NumPy does: ``(True, reason)``."""
+    return True, "always available"
 
 
 def row_dots(a, b, out):
@@ -83,7 +96,7 @@ def _quiet(chunk):
     return run
 
 
-def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=None):
+def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=None, out=None):
     """Fast forward on a matrix ``x`` (M, D): returns y (M, D), mean (M,), rstd (M,).
 
     Per block of rows, all on cache-resident data: the row sums, the sums of the deviations
@@ -100,9 +113,8 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, block_rows=None, threads=No
     """
     m, n = x.shape
     acc = accumulation_dtype(x.dtype)
-    y = np.empty((m, n), dtype=x.dtype)
-    mean = np.empty(m, dtype=acc)
-    rstd = np.empty(m, dtype=acc)
+    y = out_array(out, 0, (m, n), x.dtype)
+    mean, rstd = out_array(out, 1, m, acc), out_array(out, 2, m, acc)
 
     def chunk(start, stop, rows):
         rows = max(1, min(rows, stop - start))
@@ -148,7 +160,7 @@ def _tile(param, rows):
     return None if param is None else np.tile(param, (rows, 1))
 
 
-def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, threads=None):
+def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, threads=None, out=None):
     """Fast backward on matrices (M, D): returns dx (M, D), dweight (D,), dbias (D,).
 
     With ``xc = x - mean``, ``D = dy * xc`` and per-row dot products ``c1 = dy . weight`` and
@@ -164,7 +176,7 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
     """
     m, n = x.shape
     acc = mean.dtype
-    dx = np.empty((m, n), dtype=x.dtype)
+    dx = out_array(out, 0, (m, n), x.dtype)
     w = np.ones(n, dtype=acc) if weight is None else weight
 
     def chunk(start, stop, rows):
@@ -203,14 +215,11 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, block_rows=None, thre
     parts = run_chunks(
         m, n, _quiet(chunk), block_rows=block_rows, threads=threads, itemsize=acc.itemsize
     )
-    return (
-        dx,
-        add_in_order((g for p in parts for g in p[0]), n),
-        add_in_order((g for p in parts for g in p[1]), n),
-    )
+    dweight = add_in_order((g for p in parts for g in p[0]), n)
+    return written(out, (dx, dweight, add_in_order((g for p in parts for g in p[1]), n)))
 
 
-def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None):
+def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None, out=None):
     """Fast forward on a matrix ``x`` (M, D): returns y (M, D) and rstd (M,).
 
     Per block: the sums of squares by :func:`row_dots`, then ``y = x * (rstd outer weight)``
@@ -218,8 +227,7 @@ def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None):
     """
     m, n = x.shape
     acc = accumulation_dtype(x.dtype)
-    y = np.empty((m, n), dtype=x.dtype)
-    rstd = np.empty(m, dtype=acc)
+    y, rstd = out_array(out, 0, (m, n), x.dtype), out_array(out, 1, m, acc)
 
     def chunk(start, stop, rows):
         rows = max(1, min(rows, stop - start))
@@ -244,7 +252,7 @@ def rms_norm_forward_rows(x, weight, eps, *, block_rows=None, threads=None):
     return y, rstd
 
 
-def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None):
+def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None, out=None):
     """Fast backward on matrices (M, D): returns dx (M, D) and dweight (D,).
 
     With ``D = dy * x`` and the per-row dot product ``c = D . weight``,
@@ -252,7 +260,7 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
     """
     m, n = x.shape
     acc = rstd.dtype
-    dx = np.empty((m, n), dtype=x.dtype)
+    dx = out_array(out, 0, (m, n), x.dtype)
     w = np.ones(n, dtype=acc) if weight is None else weight
 
     def chunk(start, stop, rows):
@@ -286,4 +294,4 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
     parts = run_chunks(
         m, n, _quiet(chunk), block_rows=block_rows, threads=threads, itemsize=acc.itemsize
     )
-    return dx, add_in_order((g for p in parts for g in p), n)
+    return written(out, (dx, add_in_order((g for p in parts for g in p), n)))

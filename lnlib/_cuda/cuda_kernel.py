@@ -1,6 +1,6 @@
-"""The row-matrix implementations of the CUDA kernels, registered as ``"cuda"`` in
-:mod:`lnlib._backend` (signatures there): CuPy arrays in, CuPy arrays out, on the device of
-the input, with no host round trip.
+"""The row functions of the CUDA kernels, the ``"cuda"`` row of :data:`lnlib._backend.TABLE`
+(the row contract of :mod:`lnlib._rows`, ``out`` included): CuPy arrays in, CuPy arrays out, on
+the device of the input, with no host round trip.
 
 Rows are read in place when each row is contiguous and rows are a non-negative, whole number
 of elements apart (any row stride, so slices of a larger array cost no copy); any other layout
@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 
+from .._rows import out_array, written
 from . import build
 
 _NULL = np.uintp(0)
@@ -73,16 +74,16 @@ def _check_width(d):
         raise ValueError(f"the CUDA kernels take rows of fewer than 2**31 elements, got {d}")
 
 
-def _forward(op, x, params, eps, with_mean):
+def _forward(op, x, params, eps, with_mean, out):
     """Launch forward kernel ``op`` on rows ``x``; returns y, (mean,) rstd."""
     cupy = sys.modules["cupy"]
     m, d = x.shape
     _check_width(d)
     acc = _acc(x.dtype)
     x, ldx = _rows(x)
-    y = cupy.empty((m, d), dtype=x.dtype)
-    mean = cupy.empty(m, dtype=acc) if with_mean else None
-    rstd = cupy.empty(m, dtype=acc)
+    y = out_array(out, 0, (m, d), x.dtype, cupy)
+    mean = out_array(out, 1, m, acc, cupy) if with_mean else None
+    rstd = out_array(out, 2 if with_mean else 1, m, acc, cupy)
     if m:
         r, maxv, _tiles = build.launch_shape(op, x.dtype, d)
         vec_ok = _vec_ok(d, x.dtype, (x, ldx), (y, d))
@@ -115,7 +116,7 @@ def _column_sum(op, dtype, part):
     return out
 
 
-def _backward(op, dy, x, stats, weight, with_bias):
+def _backward(op, dy, x, stats, weight, with_bias, out):
     """Launch backward kernel ``op``; returns dx, dweight (, dbias) in the accumulation dtype."""
     cupy = sys.modules["cupy"]
     m, d = x.shape
@@ -123,10 +124,10 @@ def _backward(op, dy, x, stats, weight, with_bias):
     acc = _acc(x.dtype)
     x, ldx = _rows(x)
     dy, lddy = _rows(dy.astype(x.dtype, copy=False))
-    dx = cupy.empty((m, d), dtype=x.dtype)
+    dx = out_array(out, 0, (m, d), x.dtype, cupy)
     if m == 0:
         zeros = cupy.zeros(d, dtype=acc)
-        return (dx, zeros, zeros.copy()) if with_bias else (dx, zeros)
+        return written(out, (dx, zeros, zeros.copy()) if with_bias else (dx, zeros))
     r, maxv, tiles = build.launch_shape(op, x.dtype, d)
     blocks = build.grid("bwd", m, r, d, tiles)
     units = min(m, blocks * (build.block_threads(r) // r))
@@ -150,24 +151,24 @@ def _backward(op, dy, x, stats, weight, with_bias):
         vec_ok,
     )
     build.function(op, x.dtype, r, maxv)((blocks,), (build.block_threads(r),), args)
-    return (dx, *(_column_sum(op, x.dtype, p) for p in parts))
+    return written(out, (dx, *(_column_sum(op, x.dtype, p) for p in parts)))
 
 
-def layer_norm_forward_rows(x, weight, bias, eps):
+def layer_norm_forward_rows(x, weight, bias, eps, *, out=None):
     """LayerNorm forward on rows ``x`` (M, D) with the CUDA kernel: ``y, mean, rstd``."""
-    return _forward("layer_norm_fwd", x, (weight, bias), eps, True)
+    return _forward("layer_norm_fwd", x, (weight, bias), eps, True, out)
 
 
-def layer_norm_backward_rows(dy, x, mean, rstd, weight):
+def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, out=None):
     """LayerNorm backward on rows with the CUDA kernel: ``dx, dweight, dbias``."""
-    return _backward("layer_norm_bwd", dy, x, (mean, rstd), weight, True)
+    return _backward("layer_norm_bwd", dy, x, (mean, rstd), weight, True, out)
 
 
-def rms_norm_forward_rows(x, weight, eps):
+def rms_norm_forward_rows(x, weight, eps, *, out=None):
     """RMSNorm forward on rows ``x`` (M, D) with the CUDA kernel: ``y, rstd``."""
-    return _forward("rms_norm_fwd", x, (weight,), eps, False)
+    return _forward("rms_norm_fwd", x, (weight,), eps, False, out)
 
 
-def rms_norm_backward_rows(dy, x, rstd, weight):
+def rms_norm_backward_rows(dy, x, rstd, weight, *, out=None):
     """RMSNorm backward on rows with the CUDA kernel: ``dx, dweight``."""
-    return _backward("rms_norm_bwd", dy, x, (rstd,), weight, False)
+    return _backward("rms_norm_bwd", dy, x, (rstd,), weight, False, out)
