@@ -55,7 +55,7 @@ class Browser:
 
     def __init__(self, timeout: float = 60.0):
         self.timeout = timeout
-        self._profile = tempfile.TemporaryDirectory()
+        self._profile = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
         self._proc = subprocess.Popen(
             [
                 chromium_binary(),

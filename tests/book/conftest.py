@@ -43,7 +43,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 def run_chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Headless Chromium with every address but 127.0.0.1 unreachable."""
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         cmd = [chromium_binary(), *CHROMIUM_OFFLINE_FLAGS, f"--user-data-dir={profile}", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
