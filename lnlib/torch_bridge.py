@@ -1,6 +1,6 @@
 r"""PyTorch bridge: lnlib's LayerNorm, RMSNorm, GroupNorm and Dynamic Tanh inside a torch model.
 
-Every ``torch.autograd.Function`` here follows one pattern: its forward runs an lnlib forward
+Every ``torch.autograd.Function`` here is one pattern: its forward runs an lnlib forward
 (:func:`lnlib.layer_norm_forward`, ...) and names the lnlib backward that gives the gradients of
 its inputs; one shared backward runs it and returns the gradients torch asks for. Tensors cross
 without copies: a CPU tensor is viewed as a NumPy array (``Tensor.numpy()``, ``torch.from_numpy``
@@ -12,9 +12,7 @@ The backward is not differentiable again (``lnlib.torch_bridge.first_order_only`
 :class:`LayerNorm`, :class:`RMSNorm` and :class:`GroupNorm` are drop-in replacements for their
 ``torch.nn`` namesakes (same constructor arguments, parameter names and initialisation, so a
 state dict moves between them unchanged). This module is the only place in lnlib that imports
-torch; ``import lnlib`` does not import it.
-
-Covered in :ref:`sec-ch05-torch-bridge`.
+torch; ``import lnlib`` does not import it. Covered in :ref:`sec-ch05-torch-bridge`.
 
 References
 ----------
@@ -58,8 +56,7 @@ def _to_array(t):
     """View a tensor as a NumPy (CPU) or CuPy (CUDA) array, without a copy; None stays None."""
     if t is None:
         return None
-    if t.requires_grad:
-        t = t.detach()
+    t = t.detach()
     if t.dtype not in _NATIVE:
         t = t.float()
     if t.is_cpu:
@@ -71,16 +68,11 @@ def _to_array(t):
     raise TypeError(f"x: expected a CPU or CUDA tensor, got a tensor on {t.device}")
 
 
-def _stat_tensor(a):
-    """An array from lnlib as a tensor on its memory (NumPy or, through DLPack, CuPy)."""
-    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
-
-
-def _to_tensor(a, dtype, layout=None):
-    """An array from lnlib as a tensor of ``dtype`` (in the memory format ``layout``, if given)."""
-    t = _stat_tensor(a)
-    if t.dtype != dtype:
-        t = t.to(dtype)
+def _to_tensor(a, dtype=None, layout=None):
+    """An array from lnlib as a tensor on its memory (NumPy or, through DLPack, CuPy), cast to
+    ``dtype`` and given the memory format ``layout`` where these are given."""
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+    t = t if dtype in (None, t.dtype) else t.to(dtype)
     return t if layout is None else t.contiguous(memory_format=layout)
 
 
@@ -121,26 +113,29 @@ def first_order_only(backward):
     return wrapper
 
 
-def _finish(ctx, inputs, y, stats, saved, backward, layout=None):
-    """End a Function's forward: save for ``backward`` and return ``y`` (then the statistics).
+def _finish(ctx, inputs, outputs, stats, saved, backward, layout=None):
+    """The one pattern's end of a forward: save for ``backward``; return the outputs, then the
+    statistics.
 
-    ``inputs`` are the leading arguments of ``apply``, whose gradients ``backward`` returns in
-    that order (None for one that has none); ``y`` and ``stats`` are lnlib's results, ``saved``
-    the input tensors ``backward`` reads. ``backward(dy, *saved, *stats)`` takes and returns
-    arrays. ``layout`` is the memory format ``y`` and ``dx`` are given (GroupNorm's).
+    ``inputs`` are the leading arguments of ``apply``, which ``backward`` returns the gradients
+    of, in that order (None for one that has none). ``outputs`` are ``(array, dtype)`` pairs of
+    the differentiable results, ``stats`` lnlib's statistics (returned, not differentiable),
+    ``saved`` the tensors ``backward`` reads: ``backward(*doutputs, *saved, *stats)`` takes and
+    returns arrays. ``layout`` is the memory format of the first output and gradient.
     """
-    stats = [_stat_tensor(s) for s in stats]
+    stats = [_to_tensor(s) for s in stats]
     ctx.save_for_backward(*saved, *stats)
     ctx.mark_non_differentiable(*stats)
-    ctx.lnlib_backward, ctx.layout = backward, layout
+    ctx.lnlib_backward, ctx.layout, ctx.n_outputs = backward, layout, len(outputs)
     ctx.dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in inputs]
-    y = _to_tensor(y, inputs[0].dtype, layout)
-    return (y, *stats) if stats else y
+    layouts = [layout] + [None] * (len(outputs) - 1)
+    results = [_to_tensor(a, dtype, f) for (a, dtype), f in zip(outputs, layouts)]
+    return (*results, *stats) if stats or len(results) > 1 else results[0]
 
 
 @first_order_only
 @_on_device_of_first
-def _backward(ctx, dy, *_dstats):
+def _backward(ctx, dy, *grads):
     r"""Run the lnlib backward the forward named; return the gradients torch asks for.
 
     Parameters
@@ -149,8 +144,10 @@ def _backward(ctx, dy, *_dstats):
         The context the forward filled.
     dy : torch.Tensor, shape of ``x``
         Gradient of the loss with respect to ``y``.
-    *_dstats : torch.Tensor or None
-        Gradients with respect to the statistics: ignored (they are not differentiable).
+    *grads : torch.Tensor or None
+        Gradients with respect to the other outputs: those of the differentiable ones (``h``
+        of the fused residual add) go to the lnlib backward, those of the statistics are
+        ignored (they are not differentiable).
 
     Returns
     -------
@@ -163,8 +160,9 @@ def _backward(ctx, dy, *_dstats):
     RuntimeError
         Called with grad mode on (``create_graph=True``): there is no double backward.
     """
+    douts = (dy, *grads[: ctx.n_outputs - 1])
+    results = ctx.lnlib_backward(*(_to_array(t) for t in (*douts, *ctx.saved_tensors)))
     grads = [None] * len(ctx.needs_input_grad)
-    results = ctx.lnlib_backward(*(_to_array(t) for t in (dy, *ctx.saved_tensors)))
     for i, (g, dtype) in enumerate(zip(results, ctx.dtypes)):
         if ctx.needs_input_grad[i]:
             grads[i] = _to_tensor(g, dtype, ctx.layout if i == 0 else None)
@@ -206,16 +204,15 @@ class LayerNormFunction(torch.autograd.Function):
     )
     @_on_device_of_first
     def forward(ctx, x, weight, bias, normalized_ndim, eps, *weight_offset):
-        offset = sum(weight_offset)
-        arrays = map(_to_array, (x, weight, bias))
-        y, mean, rstd = lnlib.layer_norm_forward(
+        offset, arrays = sum(weight_offset), map(_to_array, (x, weight, bias))
+        y, *stats = lnlib.layer_norm_forward(
             *arrays, eps=eps, normalized_ndim=normalized_ndim, weight_offset=offset
         )
 
         def backward(dy, x, weight, mean, rstd):
             return lnlib.layer_norm_backward(dy, x, mean, rstd, weight, weight_offset=offset)
 
-        return _finish(ctx, (x, weight, bias), y, (mean, rstd), (x, weight), backward)
+        return _finish(ctx, (x, weight, bias), [(y, x.dtype)], stats, (x, weight), backward)
 
     backward = staticmethod(_backward)
 
@@ -233,8 +230,7 @@ class RMSNormFunction(torch.autograd.Function):
     @doc(_FORWARD, "rms_norm_forward", "x, weight, normalized_ndim, eps, *weight_offset", "y, rstd")
     @_on_device_of_first
     def forward(ctx, x, weight, normalized_ndim, eps, *weight_offset):
-        offset = sum(weight_offset)
-        arrays = map(_to_array, (x, weight))
+        offset, arrays = sum(weight_offset), map(_to_array, (x, weight))
         y, rstd = lnlib.rms_norm_forward(
             *arrays, eps=eps, normalized_ndim=normalized_ndim, weight_offset=offset
         )
@@ -242,7 +238,7 @@ class RMSNormFunction(torch.autograd.Function):
         def backward(dy, x, weight, rstd):
             return lnlib.rms_norm_backward(dy, x, rstd, weight, weight_offset=offset)
 
-        return _finish(ctx, (x, weight), y, (rstd,), (x, weight), backward)
+        return _finish(ctx, (x, weight), [(y, x.dtype)], (rstd,), (x, weight), backward)
 
     backward = staticmethod(_backward)
 
@@ -275,14 +271,14 @@ class GroupNormFunction(torch.autograd.Function):
     @_on_device_of_first
     def forward(ctx, x, num_groups, weight, bias, eps):
         arrays = (_to_array(x), num_groups, _to_array(weight), _to_array(bias))
-        y, mean, rstd = lnlib.group_norm_forward(*arrays, eps=eps)
+        y, *stats = lnlib.group_norm_forward(*arrays, eps=eps)
 
         def backward(dy, x, weight, mean, rstd):
             dx, dweight, dbias = lnlib.group_norm_backward(dy, x, mean, rstd, num_groups, weight)
             return dx, None, dweight, dbias
 
-        inputs = (x, num_groups, weight, bias)
-        return _finish(ctx, inputs, y, (mean, rstd), (x, weight), backward, _memory_format(x))
+        inputs, layout = (x, num_groups, weight, bias), _memory_format(x)
+        return _finish(ctx, inputs, [(y, x.dtype)], stats, (x, weight), backward, layout)
 
     backward = staticmethod(_backward)
 
@@ -310,7 +306,7 @@ class DynamicTanhFunction(torch.autograd.Function):
             return lnlib.dynamic_tanh_backward(dy, x, alpha, weight)
 
         saved = (x, weight) if constant is not None else (x, weight, alpha)
-        return _finish(ctx, (x, alpha, weight, bias), y, (), saved, backward)
+        return _finish(ctx, (x, alpha, weight, bias), [(y, x.dtype)], (), saved, backward)
 
     backward = staticmethod(_backward)
 
@@ -347,14 +343,12 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
     eps : float, default 1e-5
         Added to the variance inside the square root.
     weight_offset : float, default 0.0
-        Keyword only: the scale is ``weight_offset + weight`` (zero-centred gain with 1.0);
-        see :func:`lnlib.layer_norm_forward`.
+        Keyword only: the scale is ``weight_offset + weight`` (zero-centred gain with 1.0).
 
     Returns
     -------
     torch.Tensor
-        Same shape and dtype as ``x``; differentiable (once) with respect to ``x``,
-        ``weight`` and ``bias``.
+        Shape and dtype of ``x``; differentiable (once) in ``x``, ``weight`` and ``bias``.
 
     Raises
     ------
@@ -377,8 +371,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     Parameters
     ----------
     x, normalized_shape
-        As for :func:`layer_norm`: a float16, bfloat16, float32 or float64 tensor on the CPU or
-        a CUDA device, and the trailing axes (int or tuple of int) to normalize over.
+        As for :func:`layer_norm`.
     weight : torch.Tensor of shape ``normalized_shape`` or None
         Gain :math:`\gamma`, on the device of ``x``.
     eps : float or None, default None
@@ -390,22 +383,19 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     Returns
     -------
     torch.Tensor
-        Same shape and dtype as ``x``; differentiable (once) with respect to ``x`` and
-        ``weight``.
+        Shape and dtype of ``x``; differentiable (once) in ``x`` and ``weight``.
 
     Raises
     ------
     TypeError, ValueError
-        ``x`` is not a floating tensor or does not end with ``normalized_shape``; otherwise
-        as :func:`lnlib.rms_norm_forward` (the shape of ``weight``, ...).
+        As for :func:`layer_norm`, with :func:`lnlib.rms_norm_forward`.
 
     Notes
     -----
     Covered in :ref:`sec-ch05-torch-bridge`.
     """
     shape = _trailing_shape(x, normalized_shape)
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
     y, _ = RMSNormFunction.apply(x, weight, len(shape), float(eps), float(weight_offset))
     return y
 
@@ -428,8 +418,8 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     -------
     torch.Tensor
         Shape, dtype and memory format (channels-last or not, as ``torch.nn.functional
-        .group_norm`` keeps it) of ``x``; differentiable with respect to ``x``, ``weight``,
-        ``bias``; the gradient of ``x`` has its memory format too.
+        .group_norm`` keeps it) of ``x``; differentiable in ``x``, ``weight`` and ``bias``;
+        the gradient of ``x`` has the memory format of ``x`` too.
 
     Raises
     ------
@@ -462,8 +452,8 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     Returns
     -------
     y : torch.Tensor
-        Shape and dtype of ``x``; differentiable with respect to ``x``, ``alpha`` (a tensor),
-        ``weight`` and ``bias``.
+        Shape and dtype of ``x``; differentiable in ``x``, ``alpha`` (a tensor), ``weight``
+        and ``bias``.
 
     Raises
     ------
