@@ -477,13 +477,17 @@ def _learn(module, shape, device, dtype, **fills):
         module.register_parameter(name, None if value is None else nn.Parameter(value))
 
 
-def _norm_setup(module, normalized_shape, eps, elementwise_affine, weight_offset):
-    """Check and set what LayerNorm and RMSNorm share; return the weight's start, or None."""
+def _norm_setup(module, normalized_shape, eps, affine, weight_offset, device, dtype, bias=None):
+    """Check and set what LayerNorm and RMSNorm share, then learn the weight (``1 -
+    weight_offset``) and, unless ``bias`` is None (RMSNorm has none), the bias (zeros)."""
+    nn.Module.__init__(module)
     module.normalized_shape = _validate.normalized_shape_value(normalized_shape)
-    module.eps, module.elementwise_affine = eps, elementwise_affine
-    affine = True if elementwise_affine else None
-    module.weight_offset = _validate.weight_offset_value(weight_offset, affine)
-    return 1.0 - module.weight_offset if elementwise_affine else None
+    module.eps, module.elementwise_affine = eps, affine
+    module.weight_offset = _validate.weight_offset_value(weight_offset, True if affine else None)
+    fills = {"weight": 1.0 - module.weight_offset if affine else None}
+    if bias is not None:
+        fills["bias"] = 0.0 if affine and bias else None
+    _learn(module, module.normalized_shape, device, dtype, **fills)
 
 
 def _reset_parameters(self):
@@ -553,21 +557,10 @@ class LayerNorm(nn.Module):
     Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
-    def __init__(
-        self,
-        normalized_shape,
-        eps=1e-5,
-        elementwise_affine=True,
-        bias=True,
-        device=None,
-        dtype=None,
-        *,
-        weight_offset=0.0,
-    ):
-        super().__init__()
-        weight = _norm_setup(self, normalized_shape, eps, elementwise_affine, weight_offset)
-        bias = 0.0 if elementwise_affine and bias else None
-        _learn(self, self.normalized_shape, device, dtype, weight=weight, bias=bias)
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 device=None, dtype=None, *, weight_offset=0.0):  # fmt: skip
+        args = (normalized_shape, eps, elementwise_affine, weight_offset, device, dtype)
+        _norm_setup(self, *args, bias=bias)
 
     reset_parameters, extra_repr = _reset_parameters, _norm_repr
 
@@ -595,19 +588,9 @@ class RMSNorm(nn.Module):
     Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
-    def __init__(
-        self,
-        normalized_shape,
-        eps=None,
-        elementwise_affine=True,
-        device=None,
-        dtype=None,
-        *,
-        weight_offset=0.0,
-    ):
-        super().__init__()
-        weight = _norm_setup(self, normalized_shape, eps, elementwise_affine, weight_offset)
-        _learn(self, self.normalized_shape, device, dtype, weight=weight)
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
+                 device=None, dtype=None, *, weight_offset=0.0):  # fmt: skip
+        _norm_setup(self, normalized_shape, eps, elementwise_affine, weight_offset, device, dtype)
 
     reset_parameters, extra_repr = _reset_parameters, _norm_repr
 
