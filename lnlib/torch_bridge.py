@@ -37,6 +37,8 @@ from lnlib._docs import doc
 __all__ = ["layer_norm", "rms_norm", "group_norm", "dynamic_tanh"]
 __all__ += ["LayerNormFunction", "RMSNormFunction", "GroupNormFunction", "DynamicTanhFunction"]
 __all__ += ["LayerNorm", "RMSNorm", "GroupNorm", "DynamicTanh"]
+__all__ += ["add_layer_norm", "add_rms_norm", "AddLayerNormFunction", "AddRMSNormFunction"]
+__all__ += ["AddLayerNorm", "AddRMSNorm"]
 
 _NATIVE = (torch.float16, torch.float32, torch.float64)
 
@@ -120,16 +122,16 @@ def _finish(ctx, inputs, outputs, stats, saved, backward, layout=None):
     ``inputs`` are the leading arguments of ``apply``, which ``backward`` returns the gradients
     of, in that order (None for one that has none). ``outputs`` are ``(array, dtype)`` pairs of
     the differentiable results, ``stats`` lnlib's statistics (returned, not differentiable),
-    ``saved`` the tensors ``backward`` reads: ``backward(*doutputs, *saved, *stats)`` takes and
-    returns arrays. ``layout`` is the memory format of the first output and gradient.
+    ``saved`` the input tensors ``backward`` reads: ``backward(*doutputs, *saved, *outputs[1:],
+    *stats)`` takes and returns arrays. ``layout``: the memory format of ``y`` and ``dx``.
     """
     stats = [_to_tensor(s) for s in stats]
-    ctx.save_for_backward(*saved, *stats)
+    layouts = [layout] + [None] * (len(outputs) - 1)
+    results = [_to_tensor(a, dtype, f) for (a, dtype), f in zip(outputs, layouts)]
+    ctx.save_for_backward(*saved, *results[1:], *stats)
     ctx.mark_non_differentiable(*stats)
     ctx.lnlib_backward, ctx.layout, ctx.n_outputs = backward, layout, len(outputs)
     ctx.dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in inputs]
-    layouts = [layout] + [None] * (len(outputs) - 1)
-    results = [_to_tensor(a, dtype, f) for (a, dtype), f in zip(outputs, layouts)]
     return (*results, *stats) if stats or len(results) > 1 else results[0]
 
 
@@ -469,6 +471,170 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     return DynamicTanhFunction.apply(x, alpha, weight, bias)
 
 
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _add_norm_forward(ctx, forward, backward, x, residual, params, ndim, eps, offset, h_dtype):
+    """The fused Functions' forward: ``h = residual + x`` stored in ``h_dtype`` (a torch dtype,
+    None: that of ``residual``; bfloat16 is computed in float32), then the norm of ``h``."""
+    h_dtype = residual.dtype if h_dtype is None else h_dtype
+    arrays = map(_to_array, (x, residual, *params))
+    kw = {"normalized_ndim": ndim, "weight_offset": offset}
+    y, h, *stats = forward(*arrays, eps=eps, residual_dtype=_NUMPY.get(h_dtype, np.float32), **kw)
+    outputs = [(y, x.dtype), (h, h_dtype)]
+
+    def fused_backward(dy, dh, weight, h, *stats):
+        dsum, *dparams = backward(dy, dh, h, *stats, weight, **kw)
+        return dsum, dsum, *dparams
+
+    inputs = (x, residual, *params)
+    return _finish(ctx, inputs, outputs, stats, (params[0],), fused_backward)
+
+
+class AddLayerNormFunction(torch.autograd.Function):
+    r"""The autograd function of :func:`add_layer_norm`, its forward and backward lnlib's.
+
+    ``apply(x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype)``
+    returns ``(y, h, mean, rstd)`` of :func:`lnlib.add_layer_norm_forward` (``y`` and ``h``
+    differentiable, the statistics not) and saves ``weight``, ``h``, ``mean`` and ``rstd`` for
+    :func:`lnlib.add_layer_norm_backward`, whose ``dsum`` is the gradient of ``x`` and of
+    ``residual`` alike. Covered in :ref:`sec-ch05-fused-add`.
+    """
+
+    @staticmethod
+    @doc(
+        _FORWARD,
+        "add_layer_norm_forward",
+        "x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype",
+        "y, h, mean, rstd",
+    )
+    @_on_device_of_first
+    def forward(
+        ctx, x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype
+    ):
+        fns = lnlib.add_layer_norm_forward, lnlib.add_layer_norm_backward
+        args = normalized_ndim, eps, weight_offset, residual_dtype
+        return _add_norm_forward(ctx, *fns, x, residual, (weight, bias), *args)
+
+    backward = staticmethod(_backward)
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    r"""The autograd function of :func:`add_rms_norm`, its forward and backward lnlib's.
+
+    ``apply(x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype)`` returns
+    ``(y, h, rstd)`` of :func:`lnlib.add_rms_norm_forward` (``y`` and ``h`` differentiable,
+    ``rstd`` not) and saves ``weight``, ``h`` and ``rstd`` for
+    :func:`lnlib.add_rms_norm_backward`. Covered in :ref:`sec-ch05-fused-add`.
+    """
+
+    @staticmethod
+    @doc(
+        _FORWARD,
+        "add_rms_norm_forward",
+        "x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype",
+        "y, h, rstd",
+    )
+    @_on_device_of_first
+    def forward(ctx, x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype):
+        fns = lnlib.add_rms_norm_forward, lnlib.add_rms_norm_backward
+        args = normalized_ndim, eps, weight_offset, residual_dtype
+        return _add_norm_forward(ctx, *fns, x, residual, (weight,), *args)
+
+    backward = staticmethod(_backward)
+
+
+def _add_checks(x, residual, normalized_shape, residual_dtype):
+    """Check what the fused functions add to the unfused ones; return the normalized shape."""
+    shape = _trailing_shape(x, normalized_shape)
+    _check_tensor("residual", residual)
+    if residual_dtype is not None and not (
+        isinstance(residual_dtype, torch.dtype) and residual_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"residual_dtype: expected None or a floating torch.dtype, got {residual_dtype!r}"
+        )
+    return shape
+
+
+def add_layer_norm(
+    x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0,
+    residual_dtype=None,
+):  # fmt: skip
+    r"""The residual add and LayerNorm through lnlib: ``h = residual + x; y = layer_norm(h)``.
+
+    Parameters
+    ----------
+    x, residual : torch.Tensor, one shape ``(..., *normalized_shape)``, floating
+        The sublayer's output and the residual stream, on one device; their dtypes may differ.
+    normalized_shape, weight, bias, eps, weight_offset
+        As for :func:`layer_norm`.
+    residual_dtype : torch.dtype or None, default None
+        Keyword only: the dtype ``h`` is stored in (None: that of ``residual``; float32 for a
+        float16 ``x`` keeps the stream in float32).
+
+    Returns
+    -------
+    y : torch.Tensor
+        Shape and dtype of ``x``: the LayerNorm of ``h`` as stored.
+    h : torch.Tensor
+        ``residual + x`` in ``residual_dtype``. Both are differentiable (once); ``x`` and
+        ``residual`` get one gradient, ``dh + dy`` through the norm, each in its own dtype.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``x`` or ``residual`` not a floating tensor, ``x`` not ending with
+        ``normalized_shape``, ``residual_dtype`` not a floating dtype; otherwise as
+        :func:`lnlib.add_layer_norm_forward` (``residual`` not of the shape of ``x``, ...).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-fused-add`.
+    """
+    shape = _add_checks(x, residual, normalized_shape, residual_dtype)
+    args = (len(shape), float(eps), float(weight_offset), residual_dtype)
+    y, h, _, _ = AddLayerNormFunction.apply(x, residual, weight, bias, *args)
+    return y, h
+
+
+def add_rms_norm(
+    x, residual, normalized_shape, weight=None, eps=None, *, weight_offset=0.0,
+    residual_dtype=None,
+):  # fmt: skip
+    r"""The residual add and RMSNorm through lnlib: ``h = residual + x; y = rms_norm(h)``.
+
+    Parameters
+    ----------
+    x, residual, normalized_shape
+        As for :func:`add_layer_norm`.
+    weight, eps, weight_offset
+        As for :func:`rms_norm` (``eps`` None: ``torch.finfo`` of the dtype of ``h``).
+    residual_dtype : torch.dtype or None, default None
+        As for :func:`add_layer_norm`.
+
+    Returns
+    -------
+    y, h : torch.Tensor
+        As for :func:`add_layer_norm`, with the RMSNorm of ``h``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`add_layer_norm`, with :func:`lnlib.add_rms_norm_forward`.
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-fused-add`.
+    """
+    shape = _add_checks(x, residual, normalized_shape, residual_dtype)
+    if eps is None:
+        eps = torch.finfo(residual.dtype if residual_dtype is None else residual_dtype).eps
+    args = (len(shape), float(eps), float(weight_offset), residual_dtype)
+    y, h, _ = AddRMSNormFunction.apply(x, residual, weight, *args)
+    return y, h
+
+
 def _learn(module, shape, device, dtype, **fills):
     """Register the parameters named in ``fills``, in that order (the state dict's): a tensor
     of ``shape`` filled with the value, or None where the value is None (not learned)."""
@@ -682,3 +848,78 @@ class DynamicTanh(nn.Module):
     @doc(_EXTRA_REPR, "DyT's reference code")
     def extra_repr(self):
         return f"{self.normalized_shape}, elementwise_affine={self.elementwise_affine}"
+
+
+_ADD_FORWARD = r"""Compute ``h = residual + x`` and the layer on ``h`` with :func:`{0}`.
+
+        Parameters
+        ----------
+        x, residual : torch.Tensor
+            The sublayer's output and the residual stream, one shape, on the parameters' device.
+
+        Returns
+        -------
+        y, h : torch.Tensor
+            The normalized ``h`` (dtype of ``x``) and ``h`` itself; differentiable (once).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As for :func:`{0}`.
+        """
+
+
+class AddLayerNorm(LayerNorm):
+    r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives ``(y, h)``.
+
+    Parameters
+    ----------
+    normalized_shape, eps, elementwise_affine, bias, device, dtype, weight_offset
+        As for :class:`LayerNorm`.
+    residual_dtype : torch.dtype or None, default None
+        Keyword only: the dtype ``h`` is stored in (None: that of ``residual``).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-fused-add`.
+    """
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 device=None, dtype=None, *, weight_offset=0.0, residual_dtype=None):  # fmt: skip
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype,
+                         weight_offset=weight_offset)  # fmt: skip
+        self.residual_dtype = residual_dtype
+
+    @doc(_ADD_FORWARD, "add_layer_norm")
+    def forward(self, x, residual):
+        args = (self.normalized_shape, self.weight, self.bias, self.eps)
+        kw = {"weight_offset": self.weight_offset, "residual_dtype": self.residual_dtype}
+        return add_layer_norm(x, residual, *args, **kw)
+
+
+class AddRMSNorm(RMSNorm):
+    r"""The residual add fused with :class:`RMSNorm`: ``forward(x, residual)`` gives ``(y, h)``.
+
+    Parameters
+    ----------
+    normalized_shape, eps, elementwise_affine, device, dtype, weight_offset
+        As for :class:`RMSNorm`.
+    residual_dtype : torch.dtype or None, default None
+        Keyword only: the dtype ``h`` is stored in (None: that of ``residual``).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-fused-add`.
+    """
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
+                 device=None, dtype=None, *, weight_offset=0.0, residual_dtype=None):  # fmt: skip
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype,
+                         weight_offset=weight_offset)  # fmt: skip
+        self.residual_dtype = residual_dtype
+
+    @doc(_ADD_FORWARD, "add_rms_norm")
+    def forward(self, x, residual):
+        args = (self.normalized_shape, self.weight, self.eps)
+        kw = {"weight_offset": self.weight_offset, "residual_dtype": self.residual_dtype}
+        return add_rms_norm(x, residual, *args, **kw)
