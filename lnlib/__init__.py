@@ -33,7 +33,16 @@ from .dynamic_tanh import dynamic_tanh, dynamic_tanh_backward
 from .gradcheck import check_grad, numerical_grad
 from .group_norm import group_norm, group_norm_backward, group_norm_forward
 from .layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
-from .layers import AdaLN, BatchNorm, DynamicTanh, GroupNorm, LayerNorm, RMSNorm
+from .layers import (
+    AdaLN,
+    AddLayerNorm,
+    AddRMSNorm,
+    BatchNorm,
+    DynamicTanh,
+    GroupNorm,
+    LayerNorm,
+    RMSNorm,
+)
 from .rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
 
 __version__ = "0.1.0"
@@ -67,6 +76,8 @@ __all__ = [
     "dynamic_tanh_backward",
     "LayerNorm",
     "RMSNorm",
+    "AddLayerNorm",
+    "AddRMSNorm",
     "AdaLN",
     "BatchNorm",
     "GroupNorm",

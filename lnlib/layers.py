@@ -18,6 +18,12 @@ from .ada_norm import (
     adaln_modulation_backward,
     adaln_zero_init,
 )
+from .add_norm import (
+    add_layer_norm_backward,
+    add_layer_norm_forward,
+    add_rms_norm_backward,
+    add_rms_norm_forward,
+)
 from .batch_norm import batch_norm_backward, batch_norm_forward
 from .dynamic_tanh import dynamic_tanh, dynamic_tanh_backward
 from .group_norm import group_norm_backward, group_norm_forward
@@ -25,6 +31,7 @@ from .layer_norm import layer_norm_backward, layer_norm_forward
 from .rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh"]
+__all__ += ["AddLayerNorm", "AddRMSNorm"]
 
 _FORWARD = r"""Compute the layer on ``x`` with :func:`lnlib.{0}`; save what backward needs.
 
@@ -497,5 +504,130 @@ class DynamicTanh(_Layer):
         (x,) = self._take()
         dx, self.dalpha, dweight, dbias = dynamic_tanh_backward(dy, x, self.alpha, self.weight)
         return self._keep(dx, dweight, dbias)
+
+    __call__ = forward
+
+
+_ADD_FORWARD = r"""Compute ``h = residual + x`` and the layer on ``h`` (:func:`lnlib.{0}`).
+
+    Parameters
+    ----------
+    x, residual : ndarray, one shape ``(*lead, *normalized_shape)``, floating
+        The sublayer's output and the residual stream; their dtypes may differ.
+
+    Returns
+    -------
+    y : ndarray, shape and dtype of ``x``
+        The normalized ``h``.
+    h : ndarray, shape of ``x``, dtype ``residual_dtype`` (None: that of ``residual``)
+        ``residual + x``, the stream the next block adds to.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`lnlib.{0}`.
+    """
+
+_ADD_BACKWARD = r"""Backward of the last :meth:`forward` (:func:`lnlib.{0}`); also stores {1}.
+
+    Parameters
+    ----------
+    dy : ndarray, shape of ``x``
+        Gradient of the loss with respect to ``y``.
+    dh : ndarray, shape of ``x``, optional
+        Gradient arriving along the residual stream, with respect to ``h`` (None: zero).
+
+    Returns
+    -------
+    dsum : ndarray, shape and dtype of ``h``
+        Gradient of the loss with respect to ``x`` and to ``residual`` alike.
+
+    Raises
+    ------
+    RuntimeError
+        No forward has been run.
+    TypeError, ValueError
+        As for :func:`lnlib.{0}`.
+    """
+
+
+class AddLayerNorm(LayerNorm):
+    r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives
+    ``(y, h)`` with ``h = residual + x`` and ``y`` the LayerNorm of ``h``.
+
+    Parameters
+    ----------
+    normalized_shape, eps, elementwise_affine, bias, dtype, weight_offset
+        As for :class:`LayerNorm`.
+    residual_dtype : dtype, optional
+        Keyword only. The dtype ``h`` is stored in (None: that of ``residual``).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-fused-add`.
+    """
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 dtype=np.float32, *, weight_offset=0.0, residual_dtype=None):  # fmt: skip
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, dtype,
+                         weight_offset=weight_offset)  # fmt: skip
+        self.residual_dtype = residual_dtype
+
+    @doc(_ADD_FORWARD, "add_layer_norm_forward")
+    def forward(self, x, residual):
+        kw = {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
+        params, dtype = (self.weight, self.bias), self.residual_dtype
+        y, h, mean, rstd = add_layer_norm_forward(
+            x, residual, *params, eps=self.eps, residual_dtype=dtype, **kw
+        )
+        self._saved = (h, mean, rstd, kw)
+        return y, h
+
+    @doc(_ADD_BACKWARD, "add_layer_norm_backward", "``dweight`` and ``dbias``")
+    def backward(self, dy, dh=None):
+        h, mean, rstd, kw = self._take()
+        return self._keep(*add_layer_norm_backward(dy, dh, h, mean, rstd, self.weight, **kw))
+
+    __call__ = forward
+
+
+class AddRMSNorm(RMSNorm):
+    r"""The residual add fused with :class:`RMSNorm`: ``forward(x, residual)`` gives
+    ``(y, h)`` with ``h = residual + x`` and ``y`` the RMSNorm of ``h``.
+
+    Parameters
+    ----------
+    normalized_shape, eps, elementwise_affine, dtype, weight_offset
+        As for :class:`RMSNorm`.
+    residual_dtype : dtype, optional
+        Keyword only. The dtype ``h`` is stored in (None: that of ``residual``).
+
+    Notes
+    -----
+    Covered in :ref:`sec-ch05-fused-add`.
+    """
+
+    def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True,
+                 dtype=np.float32, *, weight_offset=0.0, residual_dtype=None):  # fmt: skip
+        super().__init__(normalized_shape, eps, elementwise_affine, dtype,
+                         weight_offset=weight_offset)  # fmt: skip
+        self.residual_dtype = residual_dtype
+
+    @doc(_ADD_FORWARD, "add_rms_norm_forward")
+    def forward(self, x, residual):
+        kw = {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
+        dtype = self.residual_dtype
+        y, h, rstd = add_rms_norm_forward(
+            x, residual, self.weight, eps=self.eps, residual_dtype=dtype, **kw
+        )
+        self._saved = (h, rstd, kw)
+        return y, h
+
+    @doc(_ADD_BACKWARD, "add_rms_norm_backward", "``dweight``")
+    def backward(self, dy, dh=None):
+        h, rstd, kw = self._take()
+        dsum, dweight = add_rms_norm_backward(dy, dh, h, rstd, self.weight, **kw)
+        self.dweight = dweight if self.weight is not None else None
+        return dsum
 
     __call__ = forward

@@ -102,3 +102,39 @@ def test_errors_are_named():
         tb.add_layer_norm(x, x, 7)
     with pytest.raises(TypeError, match="residual_dtype"):
         tb.add_rms_norm(x, x, 8, residual_dtype="float32")
+
+
+@pytest.mark.parametrize("name", ["AddLayerNorm", "AddRMSNorm"])
+def test_numpy_layers_match_the_plain_layer_on_h(name):
+    import numpy as np
+
+    import lnlib
+
+    rng = np.random.default_rng(50)
+    x, r = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 3, 8))
+    dy, dh = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 3, 8))
+    fused = getattr(lnlib, name)((3, 8), dtype=np.float64, weight_offset=0.5)
+    plain = getattr(lnlib, name.removeprefix("Add"))((3, 8), dtype=np.float64, weight_offset=0.5)
+    fused.weight[...] = plain.weight[...] = rng.standard_normal((3, 8))
+    y, h = fused(x, r)
+    np.testing.assert_array_equal(h, r + x)
+    np.testing.assert_array_equal(y, plain(h))
+    np.testing.assert_allclose(fused.backward(dy, dh), dh + plain.backward(dy), atol=1e-12)
+    np.testing.assert_allclose(fused.dweight, plain.dweight, atol=1e-12)
+    if name == "AddLayerNorm":
+        np.testing.assert_allclose(fused.dbias, plain.dbias, atol=1e-12)
+    np.testing.assert_allclose(fused.backward(dy), plain.backward(dy), atol=1e-12)
+    with pytest.raises(RuntimeError, match=f"{name}.backward called before forward"):
+        getattr(lnlib, name)(8).backward(dy)
+
+
+def test_numpy_layer_keeps_the_stream_in_float32():
+    import numpy as np
+
+    import lnlib
+
+    x = np.linspace(-1, 1, 16, dtype=np.float16).reshape(2, 8)
+    layer = lnlib.AddRMSNorm(8, residual_dtype=np.float32, elementwise_affine=False)
+    y, h = layer(x, x)
+    assert y.dtype == np.float16 and h.dtype == np.float32
+    assert layer.backward(np.ones_like(x)).dtype == np.float32 and layer.dweight is None
