@@ -109,6 +109,8 @@ class _Layer:
 class LayerNorm(_Layer):
     r"""LayerNorm over the trailing ``normalized_shape`` axes, with weight and bias.
 
+    Covered in :ref:`sec-ch02-one-vector` and :ref:`sec-ch02-backward`.
+
     Parameters
     ----------
     normalized_shape : int or tuple of int
@@ -122,10 +124,6 @@ class LayerNorm(_Layer):
     weight_offset : float, default 0.0
         Keyword only. The scale is ``weight_offset + weight``; the weight starts at
         ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``).
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch02-one-vector` and :ref:`sec-ch02-backward`.
     """
 
     def __init__(
@@ -166,6 +164,8 @@ class LayerNorm(_Layer):
 class RMSNorm(_Layer):
     """RMSNorm over the trailing ``normalized_shape`` axes, with a weight (gain).
 
+    Covered in :doc:`/book/04_variants`, section "RMSNorm".
+
     Parameters
     ----------
     normalized_shape : int or tuple of int
@@ -179,10 +179,6 @@ class RMSNorm(_Layer):
     weight_offset : float, default 0.0
         Keyword only. The gain is ``weight_offset + weight``; the weight starts at
         ``1 - weight_offset`` (zeros for Gemma's zero-centred gain, ``weight_offset=1.0``).
-
-    Notes
-    -----
-    Covered in :doc:`/book/04_variants`, section "RMSNorm".
     """
 
     def __init__(
@@ -225,6 +221,8 @@ class AdaLN(_Layer):
     broadcast over T and ``gate`` comes back as (B, 1, dim). The gate multiplies the residual
     branch that follows, outside this layer.
 
+    Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
+
     Parameters
     ----------
     dim : int
@@ -245,10 +243,6 @@ class AdaLN(_Layer):
     ----------
     weight, bias : ndarray (cond_dim, 3 * dim) and (3 * dim,)
         Weight and bias of the conditioning layer; ``dweight``, ``dbias`` their gradients.
-
-    Notes
-    -----
-    Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
     """
 
     def __init__(self, dim, cond_dim, eps=1e-6, zero_init=True, rng=None, dtype=np.float32):
@@ -332,6 +326,8 @@ class AdaLN(_Layer):
 class BatchNorm(_Layer):
     """BatchNorm over (N, C, ...) with running statistics, for comparison with LayerNorm.
 
+    Covered in :ref:`sec-ch01-batch-norm` and :ref:`sec-ch01-train-eval`.
+
     Parameters
     ----------
     num_features : int
@@ -352,10 +348,6 @@ class BatchNorm(_Layer):
         :meth:`train` and :meth:`eval`. A backward runs in the mode its forward ran in.
     running_mean, running_var : ndarray (C,)
         Running statistics (zeros and ones at the start).
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch01-batch-norm` and :ref:`sec-ch01-train-eval`.
     """
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype=np.float32):
@@ -413,6 +405,8 @@ class BatchNorm(_Layer):
 class GroupNorm(_Layer):
     """GroupNorm over (N, C, ...) with a per-channel weight and bias, like ``torch.nn.GroupNorm``.
 
+    Covered in :doc:`/book/04_variants`, section "The family by axes".
+
     Parameters
     ----------
     num_groups : int
@@ -425,10 +419,6 @@ class GroupNorm(_Layer):
         Whether to hold a weight (ones) and a bias (zeros) of shape (C,).
     dtype : dtype, default float32
         Dtype of the parameters.
-
-    Notes
-    -----
-    Covered in :doc:`/book/04_variants`, section "The family by axes".
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
@@ -459,6 +449,8 @@ class GroupNorm(_Layer):
 class DynamicTanh(_Layer):
     """Dynamic Tanh, ``y = weight * tanh(alpha * x) + bias`` over the last axis (DyT).
 
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
+
     Parameters
     ----------
     normalized_shape : int or 1-tuple of int
@@ -475,10 +467,6 @@ class DynamicTanh(_Layer):
     alpha : ndarray of shape ()
         The learned scalar. An array of shape (1,), as the DyT authors' checkpoints store it,
         may be assigned instead; ``dalpha`` then has that shape.
-
-    Notes
-    -----
-    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
     """
 
     def __init__(self, normalized_shape, alpha_init=0.5, elementwise_affine=True, dtype=np.float32):
@@ -555,16 +543,14 @@ class AddLayerNorm(LayerNorm):
     r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives
     ``(y, h)`` with ``h = residual + x`` and ``y`` the LayerNorm of ``h``.
 
+    Covered in :ref:`sec-ch05-fused-add`.
+
     Parameters
     ----------
     normalized_shape, eps, elementwise_affine, bias, dtype, weight_offset
         As for :class:`LayerNorm`.
     residual_dtype : dtype, optional
         Keyword only. The dtype ``h`` is stored in (None: that of ``residual``).
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-fused-add`.
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -595,16 +581,14 @@ class AddRMSNorm(RMSNorm):
     r"""The residual add fused with :class:`RMSNorm`: ``forward(x, residual)`` gives
     ``(y, h)`` with ``h = residual + x`` and ``y`` the RMSNorm of ``h``.
 
+    Covered in :ref:`sec-ch05-fused-add`.
+
     Parameters
     ----------
     normalized_shape, eps, elementwise_affine, dtype, weight_offset
         As for :class:`RMSNorm`.
     residual_dtype : dtype, optional
         Keyword only. The dtype ``h`` is stored in (None: that of ``residual``).
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-fused-add`.
     """
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True,

@@ -334,6 +334,8 @@ def _trailing_shape(x, normalized_shape):
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0):
     r"""LayerNorm of a tensor through lnlib, like ``torch.nn.functional.layer_norm``.
 
+    Covered in :ref:`sec-ch05-torch-bridge`.
+
     Parameters
     ----------
     x : torch.Tensor, shape ``(..., *normalized_shape)``, float16/bfloat16/float32/float64
@@ -357,10 +359,6 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
     TypeError, ValueError
         ``x`` is not a floating tensor or does not end with ``normalized_shape``; otherwise
         as :func:`lnlib.layer_norm_forward` (the shapes of ``weight``/``bias``, ...).
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-torch-bridge`.
     """
     shape = _trailing_shape(x, normalized_shape)
     y, _, _ = LayerNormFunction.apply(x, weight, bias, len(shape), float(eps), float(weight_offset))
@@ -369,6 +367,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
 
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     r"""RMSNorm of a tensor through lnlib, like ``torch.nn.functional.rms_norm``.
+
+    Covered in :ref:`sec-ch05-torch-bridge`.
 
     Parameters
     ----------
@@ -391,10 +391,6 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     ------
     TypeError, ValueError
         As for :func:`layer_norm`, with :func:`lnlib.rms_norm_forward`.
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-torch-bridge`.
     """
     shape = _trailing_shape(x, normalized_shape)
     eps = torch.finfo(x.dtype).eps if eps is None else eps
@@ -404,6 +400,9 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
 
 def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     r"""GroupNorm of a tensor through lnlib, like ``torch.nn.functional.group_norm``.
+
+    Covered in :doc:`/book/04_variants`, section "The family by axes"; the bridge in
+    :ref:`sec-ch05-torch-bridge`.
 
     Parameters
     ----------
@@ -427,11 +426,6 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     ------
     TypeError, ValueError
         As :func:`lnlib.group_norm_forward`.
-
-    Notes
-    -----
-    Covered in :doc:`/book/04_variants`, section "The family by axes"; the bridge in
-    :ref:`sec-ch05-torch-bridge`.
     """
     _check_tensor("x", x)
     y, _, _ = GroupNormFunction.apply(x, num_groups, weight, bias, float(eps))
@@ -440,6 +434,9 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
 
 def dynamic_tanh(x, alpha, weight=None, bias=None):
     r"""Dynamic Tanh of a tensor through lnlib: ``weight * tanh(alpha * x) + bias``.
+
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh"; the
+    bridge in :ref:`sec-ch05-torch-bridge`.
 
     Parameters
     ----------
@@ -461,11 +458,6 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     ------
     TypeError, ValueError
         ``x`` not a floating tensor; otherwise as :func:`lnlib.dynamic_tanh`.
-
-    Notes
-    -----
-    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh"; the
-    bridge in :ref:`sec-ch05-torch-bridge`.
     """
     _check_tensor("x", x)
     return DynamicTanhFunction.apply(x, alpha, weight, bias)
@@ -563,6 +555,8 @@ def add_layer_norm(
 ):  # fmt: skip
     r"""The residual add and LayerNorm through lnlib: ``h = residual + x; y = layer_norm(h)``.
 
+    Covered in :ref:`sec-ch05-fused-add`.
+
     Parameters
     ----------
     x, residual : torch.Tensor, one shape ``(..., *normalized_shape)``, floating
@@ -587,10 +581,6 @@ def add_layer_norm(
         ``x`` or ``residual`` not a floating tensor, ``x`` not ending with
         ``normalized_shape``, ``residual_dtype`` not a floating dtype; otherwise as
         :func:`lnlib.add_layer_norm_forward` (``residual`` not of the shape of ``x``, ...).
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-fused-add`.
     """
     shape = _add_checks(x, residual, normalized_shape, residual_dtype)
     args = (len(shape), float(eps), float(weight_offset), residual_dtype)
@@ -603,6 +593,8 @@ def add_rms_norm(
     residual_dtype=None,
 ):  # fmt: skip
     r"""The residual add and RMSNorm through lnlib: ``h = residual + x; y = rms_norm(h)``.
+
+    Covered in :ref:`sec-ch05-fused-add`.
 
     Parameters
     ----------
@@ -622,10 +614,6 @@ def add_rms_norm(
     ------
     TypeError, ValueError
         As for :func:`add_layer_norm`, with :func:`lnlib.add_rms_norm_forward`.
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-fused-add`.
     """
     shape = _add_checks(x, residual, normalized_shape, residual_dtype)
     if eps is None:
@@ -707,6 +695,8 @@ def _norm_repr(self):
 class LayerNorm(nn.Module):
     r"""Drop-in for ``torch.nn.LayerNorm`` computed by lnlib.
 
+    Covered in :ref:`sec-ch05-torch-bridge`.
+
     Parameters
     ----------
     normalized_shape, eps, elementwise_affine, bias, device, dtype
@@ -717,10 +707,6 @@ class LayerNorm(nn.Module):
         Keyword only. The scale is ``weight_offset + weight``, and ``weight`` starts at
         ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``), so the
         layer starts as the identity on normalized input whatever the offset.
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -739,6 +725,8 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     r"""Drop-in for ``torch.nn.RMSNorm`` computed by lnlib.
 
+    Covered in :ref:`sec-ch05-torch-bridge`.
+
     Parameters
     ----------
     normalized_shape, eps, elementwise_affine, device, dtype
@@ -748,10 +736,6 @@ class RMSNorm(nn.Module):
     weight_offset : float, default 0.0
         Keyword only. The gain is ``weight_offset + weight``, and ``weight`` starts at
         ``1 - weight_offset``: with 1.0 at zero, as in Gemma's RMSNorm.
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
@@ -769,6 +753,8 @@ class RMSNorm(nn.Module):
 class GroupNorm(nn.Module):
     r"""Drop-in for ``torch.nn.GroupNorm`` computed by lnlib.
 
+    Covered in :doc:`/book/04_variants`, section "The family by axes".
+
     Parameters
     ----------
     num_groups, num_channels : int
@@ -777,10 +763,6 @@ class GroupNorm(nn.Module):
         As for ``torch.nn.GroupNorm``: the number added to the variance (1e-5); whether to
         learn a per-channel ``weight`` (ones) and ``bias`` (zeros); the parameters' device and
         dtype.
-
-    Notes
-    -----
-    Covered in :doc:`/book/04_variants`, section "The family by axes".
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
@@ -872,16 +854,14 @@ _ADD_FORWARD = r"""Compute ``h = residual + x`` and the layer on ``h`` with :fun
 class AddLayerNorm(LayerNorm):
     r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives ``(y, h)``.
 
+    Covered in :ref:`sec-ch05-fused-add`.
+
     Parameters
     ----------
     normalized_shape, eps, elementwise_affine, bias, device, dtype, weight_offset
         As for :class:`LayerNorm`.
     residual_dtype : torch.dtype or None, default None
         Keyword only: the dtype ``h`` is stored in (None: that of ``residual``).
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-fused-add`.
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -900,16 +880,14 @@ class AddLayerNorm(LayerNorm):
 class AddRMSNorm(RMSNorm):
     r"""The residual add fused with :class:`RMSNorm`: ``forward(x, residual)`` gives ``(y, h)``.
 
+    Covered in :ref:`sec-ch05-fused-add`.
+
     Parameters
     ----------
     normalized_shape, eps, elementwise_affine, device, dtype, weight_offset
         As for :class:`RMSNorm`.
     residual_dtype : torch.dtype or None, default None
         Keyword only: the dtype ``h`` is stored in (None: that of ``residual``).
-
-    Notes
-    -----
-    Covered in :ref:`sec-ch05-fused-add`.
     """
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
