@@ -33,16 +33,16 @@ from .rms_norm import rms_norm_backward, rms_norm_forward
 __all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh"]
 __all__ += ["AddLayerNorm", "AddRMSNorm"]
 
-_FORWARD = r"""Compute the layer on ``x`` with :func:`lnlib.{0}`; save what backward needs.
+_FORWARD = r"""Compute the layer with :func:`lnlib.{0}`; save what backward needs.
 
     Parameters
     ----------
-    x : ndarray
-        Shape ``{1}``, floating.
+    {3} : ndarray
+        Shape ``{1}``, floating{4}.
 
     Returns
     -------
-    y : ndarray, shape and dtype of ``x``
+    {5}
         {2}
 
     Raises
@@ -56,12 +56,12 @@ _BACKWARD = r"""Backward of the last :meth:`forward` (:func:`lnlib.{0}`); also s
     Parameters
     ----------
     dy : ndarray, shape of the last forward's ``x``
-        Gradient of the loss with respect to the last forward's output.
+        Gradient of the loss with respect to the last forward's output{2}.
 
     Returns
     -------
-    dx : ndarray, shape and dtype of ``x``
-        Gradient of the loss with respect to the last forward's input.
+    {3}
+        Gradient of the loss with respect to the last forward's input{4}.
 
     Raises
     ------
@@ -70,6 +70,21 @@ _BACKWARD = r"""Backward of the last :meth:`forward` (:func:`lnlib.{0}`); also s
     TypeError, ValueError
         As for :func:`lnlib.{0}`.
     """
+
+
+def _forward_doc(fn, shape, result, inputs="x", note="", outputs=None):
+    """The docstring of a layer's ``forward`` (:data:`_FORWARD`); by default one ``x``, one
+    ``y``."""
+    return doc(_FORWARD, fn, shape, result, inputs, note, outputs or _Y)
+
+
+def _backward_doc(fn, stored, more="", outputs="dx : ndarray, shape and dtype of ``x``", to=""):
+    """The docstring of a layer's ``backward`` (:data:`_BACKWARD`); by default ``dy`` to
+    ``dx``."""
+    return doc(_BACKWARD, fn, stored, more, outputs, to)
+
+
+_Y = "y : ndarray, shape and dtype of ``x``"
 
 
 def _filled(shape, dtype, value):
@@ -141,7 +156,7 @@ class LayerNorm(_Layer):
         self.bias = _filled(self.normalized_shape, dtype, 0.0 if held else None)
         self.dweight = self.dbias = None
 
-    @doc(_FORWARD, "layer_norm_forward", "(*lead, *normalized_shape)", "The normalized input.")
+    @_forward_doc("layer_norm_forward", "(*lead, *normalized_shape)", "The normalized input.")
     def forward(self, x):
         ndim, offset = len(self.normalized_shape), self.weight_offset
         y, mean, rstd = layer_norm_forward(
@@ -150,7 +165,7 @@ class LayerNorm(_Layer):
         self._saved = (x, mean, rstd)
         return y
 
-    @doc(_BACKWARD, "layer_norm_backward", "``dweight`` and ``dbias``")
+    @_backward_doc("layer_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
         x, mean, rstd = self._take()
         offset = self.weight_offset
@@ -193,7 +208,7 @@ class RMSNorm(_Layer):
         _norm_setup(self, normalized_shape, eps, elementwise_affine, dtype, weight_offset)
         self.dweight = None
 
-    @doc(_FORWARD, "rms_norm_forward", "(*lead, *normalized_shape)", "The rescaled input.")
+    @_forward_doc("rms_norm_forward", "(*lead, *normalized_shape)", "The rescaled input.")
     def forward(self, x):
         ndim, offset = len(self.normalized_shape), self.weight_offset
         y, rstd = rms_norm_forward(
@@ -202,7 +217,7 @@ class RMSNorm(_Layer):
         self._saved = (x, rstd)
         return y
 
-    @doc(_BACKWARD, "rms_norm_backward", "``dweight``")
+    @_backward_doc("rms_norm_backward", "``dweight``")
     def backward(self, dy):
         x, rstd = self._take()
         dx, dweight = rms_norm_backward(dy, x, rstd, self.weight, weight_offset=self.weight_offset)
@@ -385,7 +400,7 @@ class BatchNorm(_Layer):
         """
         return self.train(False)
 
-    @doc(_FORWARD, "batch_norm_forward", "(N, C, ...)", "The normalized input.")
+    @_forward_doc("batch_norm_forward", "(N, C, ...)", "The normalized input.")
     def forward(self, x):
         state = (self.running_mean, self.running_var, self.weight, self.bias)
         y, mean, rstd = batch_norm_forward(
@@ -394,7 +409,7 @@ class BatchNorm(_Layer):
         self._saved = (x, mean, rstd, self.training)
         return y
 
-    @doc(_BACKWARD, "batch_norm_backward", "``dweight`` and ``dbias``")
+    @_backward_doc("batch_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
         x, mean, rstd, training = self._take()
         return self._keep(*batch_norm_backward(dy, x, mean, rstd, self.weight, training=training))
@@ -432,13 +447,13 @@ class GroupNorm(_Layer):
         self.bias = _filled(self.num_channels, dtype, 0.0 if affine else None)
         self.dweight = self.dbias = None
 
-    @doc(_FORWARD, "group_norm_forward", "(N, C, ...)", "The normalized input.")
+    @_forward_doc("group_norm_forward", "(N, C, ...)", "The normalized input.")
     def forward(self, x):
         y, mean, rstd = group_norm_forward(x, self.num_groups, self.weight, self.bias, eps=self.eps)
         self._saved = (x, mean, rstd)
         return y
 
-    @doc(_BACKWARD, "group_norm_backward", "``dweight`` and ``dbias``")
+    @_backward_doc("group_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
         x, mean, rstd = self._take()
         return self._keep(*group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight))
@@ -481,13 +496,13 @@ class DynamicTanh(_Layer):
         self.bias = _filled(shape, dtype, 0.0 if elementwise_affine else None)
         self.dalpha = self.dweight = self.dbias = None
 
-    @doc(_FORWARD, "dynamic_tanh", "(..., D)", "``weight * tanh(alpha * x) + bias``.")
+    @_forward_doc("dynamic_tanh", "(..., D)", "``weight * tanh(alpha * x) + bias``.")
     def forward(self, x):
         y = dynamic_tanh(x, self.alpha, self.weight, self.bias)
         self._saved = (x,)
         return y
 
-    @doc(_BACKWARD, "dynamic_tanh_backward", "``dalpha``, ``dweight``, ``dbias``")
+    @_backward_doc("dynamic_tanh_backward", "``dalpha``, ``dweight``, ``dbias``")
     def backward(self, dy):
         (x,) = self._take()
         dx, self.dalpha, dweight, dbias = dynamic_tanh_backward(dy, x, self.alpha, self.weight)
@@ -496,47 +511,21 @@ class DynamicTanh(_Layer):
     __call__ = forward
 
 
-_ADD_FORWARD = r"""Compute ``h = residual + x`` and the layer on ``h`` (:func:`lnlib.{0}`).
-
-    Parameters
-    ----------
-    x, residual : ndarray, one shape ``(*lead, *normalized_shape)``, floating
-        The sublayer's output and the residual stream; their dtypes may differ.
-
-    Returns
-    -------
-    y : ndarray, shape and dtype of ``x``
-        The normalized ``h``.
-    h : ndarray, shape of ``x``, dtype ``residual_dtype`` (None: that of ``residual``)
-        ``residual + x``, the stream the next block adds to.
-
-    Raises
-    ------
-    TypeError, ValueError
-        As for :func:`lnlib.{0}`.
-    """
-
-_ADD_BACKWARD = r"""Backward of the last :meth:`forward` (:func:`lnlib.{0}`); also stores {1}.
-
-    Parameters
-    ----------
-    dy : ndarray, shape of ``x``
-        Gradient of the loss with respect to ``y``.
-    dh : ndarray, shape of ``x``, optional
-        Gradient arriving along the residual stream, with respect to ``h`` (None: zero).
-
-    Returns
-    -------
-    dsum : ndarray, shape and dtype of ``h``
-        Gradient of the loss with respect to ``x`` and to ``residual`` alike.
-
-    Raises
-    ------
-    RuntimeError
-        No forward has been run.
-    TypeError, ValueError
-        As for :func:`lnlib.{0}`.
-    """
+# The fused layers' forward takes x and residual and returns y and h; their backward takes dy
+# and dh and returns the one gradient of x and residual.
+_ADD_FORWARD = (
+    "(*lead, *normalized_shape)",
+    "The normalized ``h`` (dtype of ``x``) and ``h = residual + x`` (``residual_dtype``).",
+    "x, residual",
+    "; the two dtypes may differ",
+    "y, h : ndarray, shape of ``x``",
+)
+_ADD_BACKWARD = (
+    " ``y``.\n    dh : ndarray, shape of ``x``, optional\n        Gradient with respect to"
+    " ``h``, arriving along the residual stream (None: zero)",
+    "dsum : ndarray, shape and dtype of ``h``",
+    "s ``x`` and ``residual`` alike",
+)
 
 
 class AddLayerNorm(LayerNorm):
@@ -559,7 +548,7 @@ class AddLayerNorm(LayerNorm):
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
 
-    @doc(_ADD_FORWARD, "add_layer_norm_forward")
+    @_forward_doc("add_layer_norm_forward", *_ADD_FORWARD)
     def forward(self, x, residual):
         kw = {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
         params, dtype = (self.weight, self.bias), self.residual_dtype
@@ -569,7 +558,7 @@ class AddLayerNorm(LayerNorm):
         self._saved = (h, mean, rstd, kw)
         return y, h
 
-    @doc(_ADD_BACKWARD, "add_layer_norm_backward", "``dweight`` and ``dbias``")
+    @_backward_doc("add_layer_norm_backward", "``dweight`` and ``dbias``", *_ADD_BACKWARD)
     def backward(self, dy, dh=None):
         h, mean, rstd, kw = self._take()
         return self._keep(*add_layer_norm_backward(dy, dh, h, mean, rstd, self.weight, **kw))
@@ -578,17 +567,13 @@ class AddLayerNorm(LayerNorm):
 
 
 class AddRMSNorm(RMSNorm):
-    r"""The residual add fused with :class:`RMSNorm`: ``forward(x, residual)`` gives
-    ``(y, h)`` with ``h = residual + x`` and ``y`` the RMSNorm of ``h``.
-
-    Covered in :ref:`sec-ch05-fused-add`.
+    r"""The residual add fused with :class:`RMSNorm`, as :class:`AddLayerNorm` fuses it with
+    :class:`LayerNorm`: ``y`` is the RMSNorm of ``h``. Covered in :ref:`sec-ch05-fused-add`.
 
     Parameters
     ----------
-    normalized_shape, eps, elementwise_affine, dtype, weight_offset
-        As for :class:`RMSNorm`.
-    residual_dtype : dtype, optional
-        Keyword only. The dtype ``h`` is stored in (None: that of ``residual``).
+    normalized_shape, eps, elementwise_affine, dtype, weight_offset, residual_dtype
+        As for :class:`RMSNorm` and :class:`AddLayerNorm`.
     """
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True,
@@ -597,7 +582,7 @@ class AddRMSNorm(RMSNorm):
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
 
-    @doc(_ADD_FORWARD, "add_rms_norm_forward")
+    @_forward_doc("add_rms_norm_forward", *_ADD_FORWARD)
     def forward(self, x, residual):
         kw = {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
         dtype = self.residual_dtype
@@ -607,7 +592,7 @@ class AddRMSNorm(RMSNorm):
         self._saved = (h, rstd, kw)
         return y, h
 
-    @doc(_ADD_BACKWARD, "add_rms_norm_backward", "``dweight``")
+    @_backward_doc("add_rms_norm_backward", "``dweight``", *_ADD_BACKWARD)
     def backward(self, dy, dh=None):
         h, rstd, kw = self._take()
         dsum, dweight = add_rms_norm_backward(dy, dh, h, rstd, self.weight, **kw)

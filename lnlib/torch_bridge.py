@@ -592,9 +592,8 @@ def add_rms_norm(
     x, residual, normalized_shape, weight=None, eps=None, *, weight_offset=0.0,
     residual_dtype=None,
 ):  # fmt: skip
-    r"""The residual add and RMSNorm through lnlib: ``h = residual + x; y = rms_norm(h)``.
-
-    Covered in :ref:`sec-ch05-fused-add`.
+    r"""The residual add and RMSNorm through lnlib, ``h = residual + x; y = rms_norm(h)``, as
+    :func:`add_layer_norm` does it for LayerNorm. Covered in :ref:`sec-ch05-fused-add`.
 
     Parameters
     ----------
