@@ -1,10 +1,12 @@
-r"""PyTorch bridge: lnlib's LayerNorm, RMSNorm, GroupNorm and Dynamic Tanh inside a torch model.
+r"""PyTorch bridge: lnlib's norms (and the fused residual add) inside a torch model.
 
 Every ``torch.autograd.Function`` here is one pattern: its forward runs an lnlib forward
 (:func:`lnlib.layer_norm_forward`, ...) and names the lnlib backward that gives the gradients of
-its inputs; one shared backward runs it and returns the gradients torch asks for. Tensors cross
-without copies: a CPU tensor is viewed as a NumPy array (``Tensor.numpy()``, ``torch.from_numpy``
-share memory), a CUDA tensor as a CuPy array through DLPack (:mod:`lnlib._cuda.dlpack`), and
+its inputs; one shared backward runs it and returns the gradients torch asks for. The fused
+residual add (:func:`add_layer_norm`, :func:`add_rms_norm`) has two differentiable outputs,
+``y`` and ``h``; the gradients of both go to its lnlib backward. Tensors cross without copies:
+a CPU tensor is viewed as a NumPy array (``Tensor.numpy()``, ``torch.from_numpy`` share
+memory), a CUDA tensor as a CuPy array through DLPack (:mod:`lnlib._cuda.dlpack`), and
 lnlib's CUDA kernels run on torch's current stream, so they queue behind torch's own work with
 no synchronisation. NumPy has no bfloat16: such tensors are computed in float32 and cast back.
 The backward is not differentiable again (``lnlib.torch_bridge.first_order_only``).
