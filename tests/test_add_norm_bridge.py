@@ -138,3 +138,11 @@ def test_numpy_layer_keeps_the_stream_in_float32():
     y, h = layer(x, x)
     assert y.dtype == np.float16 and h.dtype == np.float32
     assert layer.backward(np.ones_like(x)).dtype == np.float32 and layer.dweight is None
+
+
+@pytest.mark.parametrize("which", ["ln", "rms"])
+def test_second_derivatives_raise(which):
+    x, r = _double(3, 8, seed=60).requires_grad_(), _double(3, 8, seed=61)
+    y, h = _ours(which, x, r, None, None)
+    with pytest.raises(RuntimeError, match="Add.*NormFunction: .*no double backward"):
+        torch.autograd.grad(((y**3).sum() + h.sum()), x, create_graph=True)
