@@ -125,6 +125,7 @@ FN(row_sums_pair)(int kind, const T *xa, const T *xb, const T *dya, const T *dyb
     FN(row_sums)(kind, 2, xa, xb, dya, dyb, w, n, sha, shb, sums);
 }
 
+/* [listing: layer-norm-row] (chapter 5 shows from here to its end marker) */
 /* mean and rstd from the sums of d = x - mu0 and of d^2 (corrected two-pass: Chan, Golub and
  * LeVeque): the deviations' mean corrects mu0, and the variance is taken about it. */
 static void FN(layer_norm_finish)(ptrdiff_t n, T mu0, double sum_d, double sum_dd, double eps,
@@ -157,6 +158,7 @@ static void FN(layer_norm_forward_row)(const T *x, const T *weight, const T *bia
     FN(layer_norm_stats)(x, n, mu0, eps, mean, rstd);
     FN(layer_norm_y)(x, weight, bias, y, *mean, *rstd, n);
 }
+/* [end listing: layer-norm-row] */
 
 /* Two short rows a and b: each pass of the statistics over both rows in one loop, so that the
  * processor overlaps the two rows' chains of dependent additions; then y of a, y of b. Each
