@@ -141,16 +141,8 @@ class LayerNorm(_Layer):
         ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``).
     """
 
-    def __init__(
-        self,
-        normalized_shape,
-        eps=1e-5,
-        elementwise_affine=True,
-        bias=True,
-        dtype=np.float32,
-        *,
-        weight_offset=0.0,
-    ):
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 dtype=np.float32, *, weight_offset=0.0):  # fmt: skip
         _norm_setup(self, normalized_shape, eps, elementwise_affine, dtype, weight_offset)
         held = elementwise_affine and bias
         self.bias = _filled(self.normalized_shape, dtype, 0.0 if held else None)
@@ -196,15 +188,8 @@ class RMSNorm(_Layer):
         ``1 - weight_offset`` (zeros for Gemma's zero-centred gain, ``weight_offset=1.0``).
     """
 
-    def __init__(
-        self,
-        normalized_shape,
-        eps=1e-6,
-        elementwise_affine=True,
-        dtype=np.float32,
-        *,
-        weight_offset=0.0,
-    ):
+    def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32,
+                 *, weight_offset=0.0):  # fmt: skip
         _norm_setup(self, normalized_shape, eps, elementwise_affine, dtype, weight_offset)
         self.dweight = None
 

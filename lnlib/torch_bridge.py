@@ -809,14 +809,8 @@ class DynamicTanh(nn.Module):
     Dynamic Tanh".
     """
 
-    def __init__(
-        self,
-        normalized_shape,
-        alpha_init_value=0.5,
-        elementwise_affine=True,
-        device=None,
-        dtype=None,
-    ):
+    def __init__(self, normalized_shape, alpha_init_value=0.5, elementwise_affine=True,
+                 device=None, dtype=None):  # fmt: skip
         super().__init__()
         self.normalized_shape = _validate.normalized_shape_value(normalized_shape)
         _learn(self, (), device, dtype, alpha=float(alpha_init_value))
