@@ -152,6 +152,7 @@ def _load():
     missing = [
         f
         for f in _FUNCTIONS
+        + _FUSED_FUNCTIONS
         + [
             "sum_blocks_pairwise",
             "norms_kernel_version",
@@ -674,49 +675,143 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     return written(out, (dx, _column_totals(blocks, p_dw, acc)[0]))
 
 
-# The fused residual add (the row contract in lnlib._rows): blocks of rows, the add into h,
-# then this module's norm on the block while it is in cache.
+# The fused residual add (the row contract in lnlib._rows): one C pass per chunk of rows (norms.c,
+# section "fused residual add"): per block of rows that stays in L2, the add into h, then this
+# module's kernel on the block of h; the backward the kernel's dx on a block, then dh added.
+
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+#: The dtype mixes the C pass takes, (x, residual, h) -> the suffix of its functions: one dtype
+#: throughout, or float16 x with the stream (residual, h) in float32 (``residual_in_fp32``).
+#: Other mixes (float32 x on a float16 or float64 stream, float16 residual widened to float32,
+#: ...) are rare and each would need an add loop of its own: they run this module's kernels on
+#: blocks from Python (lnlib._rows.add_norm_forward_blocks), which gives the same bits.
+_FUSED_FORWARD = {
+    (_F32, _F32, _F32): "f32",
+    (_F64, _F64, _F64): "f64",
+    (_F16, _F16, _F16): "f16",
+    (_F16, _F32, _F32): "f16f32",
+}
+#: The backward's mixes, (dy, h) -> suffix; dh is None or of h's dtype (else the blocks from
+#: Python, as above): dy of x's dtype, float16 on a float32 stream.
+_FUSED_BACKWARD = {
+    (_F32, _F32): "f32",
+    (_F64, _F64): "f64",
+    (_F16, _F16): "f16",
+    (_F16, _F32): "f16f32",
+}
+_FUSED_FUNCTIONS = [
+    f"add_{op}_{suffix}" for op in PASSES for suffix in ("f16", "f32", "f64", "f16f32")
+]
+
+
+def _fused_forward(rms, x, residual, params, eps, h_dtype, out):
+    """The C pass of the fused forward: ``y, h, mean, rstd`` (``y, h, rstd`` for rms)."""
+    nstats = 1 if rms else 2
+    suffix = _FUSED_FORWARD.get((x.dtype, residual.dtype, np.dtype(h_dtype)))
+    if suffix is None:  # a rare mix: blocks from Python (see _FUSED_FORWARD)
+        norm = rms_norm_forward_rows if rms else layer_norm_forward_rows
+        return add_norm_forward_blocks(norm, x, residual, params, eps, h_dtype, nstats, out)
+    m, n = x.shape
+    lib = _module().lib
+    fn = getattr(lib, f"add_{'rms' if rms else 'layer'}_norm_forward_{suffix}")
+    acc = _ACC[np.dtype(h_dtype)]
+    x, residual = _rows(x, x.dtype), _rows(residual, residual.dtype)
+    y, h = out_array(out, 0, (m, n), x.dtype), out_array(out, 1, (m, n), h_dtype)
+    stats = [out_array(out, 2 + i, m, acc) for i in range(nstats)]
+    vectors = [_vector(params[0], n, acc, 1)] + ([] if rms else [_vector(params[1], n, acc, 0)])
+    p_x, p_r = _pointer(x), _pointer(residual)
+    p_params = [_pointer(v) for v in vectors]
+    p_y, p_h = _pointer(y, writable=True), _pointer(h, writable=True)
+    p_stats = [_pointer(s, writable=True) for s in stats]
+    ld_x, ld_r = _ld(x), _ld(residual)
+
+    def chunk(start, stop, _block_rows):
+        _ok(
+            fn(
+                p_x + start * ld_x,
+                ld_x,
+                p_r + start * ld_r,
+                ld_r,
+                *p_params,
+                p_y + start * n,
+                p_h + start * n,
+                *[p + start for p in p_stats],
+                stop - start,
+                n,
+                eps,
+            )
+        )
+
+    rows = lib.NORMS_BLOCK_ROWS
+    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(None, x.nbytes + residual.nbytes))
+    return (y, h, *stats)
+
+
+def _fused_backward(rms, dy, dh, h, stats, weight, out):
+    """The C pass of the fused backward: ``dsum, dweight, dbias`` (``dsum, dweight`` for rms)."""
+    nparams = 1 if rms else 2
+    suffix = _FUSED_BACKWARD.get((dy.dtype, h.dtype))
+    if suffix is None or (dh is not None and dh.dtype != h.dtype):  # see _FUSED_BACKWARD
+        norm = rms_norm_backward_rows if rms else layer_norm_backward_rows
+        return add_norm_backward_blocks(norm, dy, dh, h, stats, weight, nparams, out)
+    m, n = h.shape
+    module = _module()
+    fn = getattr(module.lib, f"add_{'rms' if rms else 'layer'}_norm_backward_{suffix}")
+    acc = _ACC[h.dtype]
+    dy, h = _rows(dy, dy.dtype), _rows(h, h.dtype)
+    dh = None if dh is None else _rows(dh, h.dtype)
+    stats = [np.ascontiguousarray(s, dtype=acc) for s in stats]  # (M,)
+    weight = _vector(weight, n, acc, 1)
+    dsum = out_array(out, 0, (m, n), h.dtype)  # (M, D)
+    blocks = _column_blocks(m, n, nparams)  # (k, blocks, D) float64
+    p_dy, p_h, p_w = _pointer(dy), _pointer(h), _pointer(weight)
+    p_dh, ld_dh = (module.ffi.NULL, 0) if dh is None else (_pointer(dh), _ld(dh))
+    p_stats = [_pointer(s) for s in stats]
+    p_dsum, p_dw = _pointer(dsum, writable=True), _pointer(blocks, writable=True)
+    p_grads = [p_dw + i * blocks.shape[1] * n for i in range(nparams)]
+    ld_dy, ld_h = _ld(dy), _ld(h)
+
+    def chunk(start, stop, _block_rows):
+        b = _block_of(start)
+        _ok(
+            fn(
+                p_dy + start * ld_dy,
+                ld_dy,
+                p_dh if dh is None else p_dh + start * ld_dh,
+                ld_dh,
+                p_h + start * ld_h,
+                ld_h,
+                *[p + start for p in p_stats],
+                p_w,
+                p_dsum + start * n,
+                *[p + b * n for p in p_grads],
+                stop - start,
+                n,
+            )
+        )
+
+    rows = module.lib.NORMS_BLOCK_ROWS
+    nbytes = dy.nbytes + h.nbytes + (0 if dh is None else dh.nbytes)
+    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(None, nbytes))
+    return written(out, (dsum, *_column_totals(blocks, p_dw, acc)))
 
 
 def add_layer_norm_forward_rows(x, residual, weight, bias, eps, h_dtype, *, out=None):
-    """``y, h, mean, rstd``: h = residual + x, then :func:`layer_norm_forward_rows` of h."""
-    return add_norm_forward_blocks(
-        layer_norm_forward_rows,
-        x,
-        residual,
-        (weight, bias),
-        eps,
-        h_dtype,
-        2,
-        out,
-        threads=_threads(None, x.nbytes + residual.nbytes),
-    )
+    """``y, h, mean, rstd``: h = residual + x, then :func:`layer_norm_forward_rows` of h, in
+    one pass (the dtype mixes of ``_FUSED_FORWARD``; others by blocks from Python)."""
+    return _fused_forward(False, x, residual, (weight, bias), eps, h_dtype, out)
 
 
 def add_layer_norm_backward_rows(dy, dh, h, mean, rstd, weight, *, out=None):
-    """``dsum, dweight, dbias``: :func:`layer_norm_backward_rows` of h, plus dh."""
-    return add_norm_backward_blocks(
-        layer_norm_backward_rows, dy, dh, h, (mean, rstd), weight, 2, out
-    )
+    """``dsum, dweight, dbias``: :func:`layer_norm_backward_rows` of h, plus dh, in one pass."""
+    return _fused_backward(False, dy, dh, h, (mean, rstd), weight, out)
 
 
 def add_rms_norm_forward_rows(x, residual, weight, eps, h_dtype, *, out=None):
-    """``y, h, rstd``: h = residual + x, then :func:`rms_norm_forward_rows` of h."""
-    return add_norm_forward_blocks(
-        rms_norm_forward_rows, x, residual, (weight,), eps, h_dtype, 1, out
-    )
+    """``y, h, rstd``: h = residual + x, then :func:`rms_norm_forward_rows` of h, in one pass."""
+    return _fused_forward(True, x, residual, (weight,), eps, h_dtype, out)
 
 
 def add_rms_norm_backward_rows(dy, dh, h, rstd, weight, *, out=None):
-    """``dsum, dweight``: :func:`rms_norm_backward_rows` of h, plus dh."""
-    return add_norm_backward_blocks(
-        rms_norm_backward_rows,
-        dy,
-        dh,
-        h,
-        (rstd,),
-        weight,
-        1,
-        out,
-        threads=_threads(None, dy.nbytes + h.nbytes),
-    )
+    """``dsum, dweight``: :func:`rms_norm_backward_rows` of h, plus dh, in one pass."""
+    return _fused_backward(True, dy, dh, h, (rstd,), weight, out)

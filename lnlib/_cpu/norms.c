@@ -275,3 +275,303 @@ void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
 
 /* float16: rows converted to float, the float functions above, the outputs rounded back. */
 #include "norms_half.h"
+
+/* ---------------------------------------------------------------------------------------
+ * fused residual add (declared at the end of norms.h; the rounding is lnlib/_rows.py's)
+ *
+ * h = residual + x, then the norm of h: per block of `rows` rows (fused_rows: h's block is at
+ * most NORMS_FUSED_BLOCK_BYTES, so it is still in the core's L2 cache when the norm reads it
+ * back), the add writes the block of h (a plain loop the compiler vectorises), then the
+ * kernel above runs on that block: y, mean and rstd are bitwise those of the norm of h. The
+ * backward runs the norm's backward on a block (dx into the block of dsum), then adds dh to
+ * the block while it is in cache. So a forward reads x and residual and writes h and y, a
+ * backward reads dy, dh and h and writes dsum: each array crosses memory once.
+ *
+ * When a call writes at least STREAM_BYTES (as in the kernels above), the blocks of h, y and
+ * dsum are made in scratch blocks and streamed to memory (stream_copy), so the outputs cost
+ * no read for ownership; below that they are written in place. The values are the same.
+ *
+ * The blocks are a power of two of rows, at most NORMS_BLOCK_ROWS, and the caller starts a
+ * chunk of a backward on a multiple of NORMS_BLOCK_ROWS: a block never straddles two row
+ * blocks of the column sums, and each row block receives its rows in order, as in one call of
+ * the backward kernel, so dweight and dbias are bitwise those of the unfused backward.
+ *
+ * h may be residual itself (written over it in place): each block of residual is read before
+ * the same block of h is written, and no other block is touched. The norm's own functions are
+ * called as they are (the exported kernels, with their multi-versioning), so the row code is
+ * the one the unfused norm runs. */
+
+static ptrdiff_t fused_rows(ptrdiff_t n, size_t hsize)
+{
+    ptrdiff_t rows = NORMS_BLOCK_ROWS;
+    while (rows > 1 && (size_t)rows * (size_t)n * hsize > NORMS_FUSED_BLOCK_BYTES)
+        rows /= 2;
+    return rows;
+}
+
+/* Scratch of `count` elements of `size` bytes when the call streams its outputs, else NULL
+ * (also when malloc fails: the outputs are then written in place, with the same values). */
+static void *fused_stream_scratch(ptrdiff_t m, ptrdiff_t n, size_t size, size_t count)
+{
+    if (!NORMS_STREAM || !stream_enabled || (size_t)m * (size_t)n * size < STREAM_BYTES)
+        return NULL;
+    return malloc(count * size);
+}
+
+/* h = r + x for k rows (x, r ld apart, h contiguous; h may be r): float, double. */
+static void fused_add_f32(const float *x, ptrdiff_t ldx, const float *r, ptrdiff_t ldr,
+                          float *h, ptrdiff_t ldh, ptrdiff_t k, ptrdiff_t n)
+{
+    for (ptrdiff_t i = 0; i < k; i++) {
+        const float *xi = x + i * ldx, *ri = r + i * ldr;
+        float *hi = h + i * ldh;
+        for (ptrdiff_t j = 0; j < n; j++)
+            hi[j] = ri[j] + xi[j];
+    }
+}
+
+static void fused_add_f64(const double *x, ptrdiff_t ldx, const double *r, ptrdiff_t ldr,
+                          double *h, ptrdiff_t ldh, ptrdiff_t k, ptrdiff_t n)
+{
+    for (ptrdiff_t i = 0; i < k; i++) {
+        const double *xi = x + i * ldx, *ri = r + i * ldr;
+        double *hi = h + i * ldh;
+        for (ptrdiff_t j = 0; j < n; j++)
+            hi[j] = ri[j] + xi[j];
+    }
+}
+
+/* float16: h = r + x added in float and rounded once to float16 (the float sum of two
+ * float16 values rounds to the float16 nearest their exact sum: float has more than twice
+ * float16's precision plus two bits), as NumPy adds float16. cv: 2 n floats. */
+static void fused_add_f16(const uint16_t *x, ptrdiff_t ldx, const uint16_t *r, ptrdiff_t ldr,
+                          uint16_t *h, ptrdiff_t ldh, ptrdiff_t k, ptrdiff_t n, float *cv,
+                          int how)
+{
+    for (ptrdiff_t i = 0; i < k; i++) {
+        halves_to_floats(x + i * ldx, cv, n, how);
+        halves_to_floats(r + i * ldr, cv + n, n, how);
+        for (ptrdiff_t j = 0; j < n; j++)
+            cv[j] = cv[n + j] + cv[j];
+        floats_to_halves(cv, h + i * ldh, n, how);
+    }
+}
+
+/* float16 x, float residual and h: x converted exactly, the sum in float. cv: n floats. */
+static void fused_add_f16f32(const uint16_t *x, ptrdiff_t ldx, const float *r, ptrdiff_t ldr,
+                             float *h, ptrdiff_t ldh, ptrdiff_t k, ptrdiff_t n, float *cv,
+                             int how)
+{
+    for (ptrdiff_t i = 0; i < k; i++) {
+        halves_to_floats(x + i * ldx, cv, n, how);
+        fused_add_f32(cv, n, r + i * ldr, ldr, h + i * ldh, ldh, 1, n);
+    }
+}
+
+/* The forward and backward over one element type; rms selects RMSNorm (bias and mean unused). */
+#define NORMS_FUSED_TYPED(T, S)                                                                \
+    static int fused_forward_##S(int rms, const T *x, ptrdiff_t ldx, const T *residual,        \
+                                 ptrdiff_t ldr, const T *weight, const T *bias, T *y, T *h,    \
+                                 T *mean, T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)       \
+    {                                                                                          \
+        ptrdiff_t rows = fused_rows(n, sizeof(T));                                             \
+        T *hs = fused_stream_scratch(m, n, sizeof(T), 2 * (size_t)rows * (size_t)n);           \
+        for (ptrdiff_t r = 0; r < m; r += rows) {                                              \
+            ptrdiff_t k = m - r < rows ? m - r : rows;                                         \
+            T *hb = hs ? hs : h + r * n, *yb = hs ? hs + rows * n : y + r * n;                 \
+            fused_add_##S(x + r * ldx, ldx, residual + r * ldr, ldr, hb, n, k, n);             \
+            if (rms)                                                                           \
+                rms_norm_forward_##S(hb, n, weight, yb, rstd + r, k, n, eps);                  \
+            else                                                                               \
+                layer_norm_forward_##S(hb, n, weight, bias, yb, mean + r, rstd + r, k, n,      \
+                                       eps);                                                   \
+            if (hs) {                                                                          \
+                stream_copy(h + r * n, hb, k * n, sizeof(T));                                  \
+                stream_copy(y + r * n, yb, k * n, sizeof(T));                                  \
+            }                                                                                  \
+        }                                                                                      \
+        free(hs);                                                                              \
+        stream_fence();                                                                        \
+        return 0;                                                                              \
+    }                                                                                          \
+                                                                                               \
+    static int fused_backward_##S(int rms, const T *dy, ptrdiff_t lddy, const T *dh,           \
+                                  ptrdiff_t lddh, const T *h, ptrdiff_t ldh, const T *mean,    \
+                                  const T *rstd, const T *weight, T *dsum, double *dwb,        \
+                                  double *dbb, ptrdiff_t m, ptrdiff_t n)                       \
+    {                                                                                          \
+        ptrdiff_t rows = fused_rows(n, sizeof(T));                                             \
+        T *ds = fused_stream_scratch(m, n, sizeof(T), (size_t)rows * (size_t)n);               \
+        for (ptrdiff_t r = 0; r < m; r += rows) {                                              \
+            ptrdiff_t k = m - r < rows ? m - r : rows, b = (r / NORMS_BLOCK_ROWS) * n;         \
+            T *db = ds ? ds : dsum + r * n;                                                    \
+            if (rms)                                                                           \
+                rms_norm_backward_##S(dy + r * lddy, lddy, h + r * ldh, ldh, rstd + r, weight, \
+                                      db, dwb + b, k, n);                                      \
+            else                                                                               \
+                layer_norm_backward_##S(dy + r * lddy, lddy, h + r * ldh, ldh, mean + r,       \
+                                        rstd + r, weight, db, dwb + b, dbb + b, k, n);         \
+            if (dh) /* dsum = dx + dh */                                                       \
+                fused_add_##S(dh + r * lddh, lddh, db, n, db, n, k, n);                        \
+            if (ds)                                                                            \
+                stream_copy(dsum + r * n, ds, k * n, sizeof(T));                               \
+        }                                                                                      \
+        free(ds);                                                                              \
+        stream_fence();                                                                        \
+        return 0;                                                                              \
+    }
+
+NORMS_FUSED_TYPED(float, f32)
+NORMS_FUSED_TYPED(double, f64)
+
+/* float16 x (and residual, h): the add as fused_add_f16, then the float16 kernels on the
+ * block of h (each row through the float32 row code, y rounded once). Written in place. */
+static int fused_forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
+                             ptrdiff_t ldr, const float *weight, const float *bias, uint16_t *y,
+                             uint16_t *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
+                             double eps)
+{
+    ptrdiff_t rows = fused_rows(n, sizeof(uint16_t));
+    float *cv = malloc(2 * (size_t)n * sizeof(float) + 1);
+    int how = half_conversion(), status = cv == NULL;
+    for (ptrdiff_t r = 0; r < m && !status; r += rows) {
+        ptrdiff_t k = m - r < rows ? m - r : rows;
+        fused_add_f16(x + r * ldx, ldx, residual + r * ldr, ldr, h + r * n, n, k, n, cv, how);
+        status = rms ? rms_norm_forward_f16(h + r * n, n, weight, y + r * n, rstd + r, k, n, eps)
+                     : layer_norm_forward_f16(h + r * n, n, weight, bias, y + r * n, mean + r,
+                                              rstd + r, k, n, eps);
+    }
+    free(cv);
+    return status;
+}
+
+static int fused_backward_f16(int rms, const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
+                              ptrdiff_t lddh, const uint16_t *h, ptrdiff_t ldh, const float *mean,
+                              const float *rstd, const float *weight, uint16_t *dsum,
+                              double *dwb, double *dbb, ptrdiff_t m, ptrdiff_t n)
+{
+    ptrdiff_t rows = fused_rows(n, sizeof(uint16_t));
+    float *cv = malloc(2 * (size_t)n * sizeof(float) + 1);
+    int how = half_conversion(), status = cv == NULL;
+    for (ptrdiff_t r = 0; r < m && !status; r += rows) {
+        ptrdiff_t k = m - r < rows ? m - r : rows, b = (r / NORMS_BLOCK_ROWS) * n;
+        uint16_t *db = dsum + r * n;
+        status = rms ? rms_norm_backward_f16(dy + r * lddy, lddy, h + r * ldh, ldh, rstd + r,
+                                             weight, db, dwb + b, k, n)
+                     : layer_norm_backward_f16(dy + r * lddy, lddy, h + r * ldh, ldh, mean + r,
+                                               rstd + r, weight, db, dwb + b, dbb + b, k, n);
+        if (!status && dh)
+            fused_add_f16(dh + r * lddh, lddh, db, n, db, n, k, n, cv, how);
+    }
+    free(cv);
+    return status;
+}
+
+/* float16 x, y and dy with float residual, h, dh and dsum (the stream kept in float32): x
+ * and dy converted exactly to float, then the float32 kernels on the block; y rounded once
+ * to float16 from the float32 kernel's y. h and dsum streamed as in the typed versions. */
+static int fused_forward_f16f32(int rms, const uint16_t *x, ptrdiff_t ldx, const float *residual,
+                                ptrdiff_t ldr, const float *weight, const float *bias,
+                                uint16_t *y, float *h, float *mean, float *rstd, ptrdiff_t m,
+                                ptrdiff_t n, double eps)
+{
+    ptrdiff_t rows = fused_rows(n, sizeof(float));
+    size_t block = (size_t)rows * (size_t)n;
+    float *buf = malloc((block + (size_t)n) * sizeof(float));
+    float *hs = fused_stream_scratch(m, n, sizeof(float), block);
+    if (!buf) {
+        free(hs);
+        return 1;
+    }
+    float *yf = buf, *cv = buf + block;
+    int how = half_conversion();
+    for (ptrdiff_t r = 0; r < m; r += rows) {
+        ptrdiff_t k = m - r < rows ? m - r : rows;
+        float *hb = hs ? hs : h + r * n;
+        fused_add_f16f32(x + r * ldx, ldx, residual + r * ldr, ldr, hb, n, k, n, cv, how);
+        if (rms)
+            rms_norm_forward_f32(hb, n, weight, yf, rstd + r, k, n, eps);
+        else
+            layer_norm_forward_f32(hb, n, weight, bias, yf, mean + r, rstd + r, k, n, eps);
+        floats_to_halves(yf, y + r * n, k * n, how);
+        if (hs)
+            stream_copy(h + r * n, hb, k * n, sizeof(float));
+    }
+    free(buf);
+    free(hs);
+    stream_fence();
+    return 0;
+}
+
+static int fused_backward_f16f32(int rms, const uint16_t *dy, ptrdiff_t lddy, const float *dh,
+                                 ptrdiff_t lddh, const float *h, ptrdiff_t ldh, const float *mean,
+                                 const float *rstd, const float *weight, float *dsum, double *dwb,
+                                 double *dbb, ptrdiff_t m, ptrdiff_t n)
+{
+    ptrdiff_t rows = fused_rows(n, sizeof(float));
+    size_t block = (size_t)rows * (size_t)n;
+    float *dyf = malloc(block * sizeof(float));
+    float *ds = fused_stream_scratch(m, n, sizeof(float), block);
+    if (!dyf) {
+        free(ds);
+        return 1;
+    }
+    int how = half_conversion();
+    for (ptrdiff_t r = 0; r < m; r += rows) {
+        ptrdiff_t k = m - r < rows ? m - r : rows, b = (r / NORMS_BLOCK_ROWS) * n;
+        float *db = ds ? ds : dsum + r * n;
+        for (ptrdiff_t i = 0; i < k; i++)
+            halves_to_floats(dy + (r + i) * lddy, dyf + i * n, n, how);
+        if (rms)
+            rms_norm_backward_f32(dyf, n, h + r * ldh, ldh, rstd + r, weight, db, dwb + b, k, n);
+        else
+            layer_norm_backward_f32(dyf, n, h + r * ldh, ldh, mean + r, rstd + r, weight, db,
+                                    dwb + b, dbb + b, k, n);
+        if (dh)
+            fused_add_f32(dh + r * lddh, lddh, db, n, db, n, k, n);
+        if (ds)
+            stream_copy(dsum + r * n, ds, k * n, sizeof(float));
+    }
+    free(dyf);
+    free(ds);
+    stream_fence();
+    return 0;
+}
+
+/* The exported functions (norms.h): LayerNorm (rms 0) and RMSNorm (rms 1) of each variant. */
+#define NORMS_FUSED_EXPORTS(S, TX, TR, TP)                                                     \
+    int add_layer_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TR *residual,             \
+                                   ptrdiff_t ldr, const TP *weight, const TP *bias, TX *y,     \
+                                   TR *h, TP *mean, TP *rstd, ptrdiff_t m, ptrdiff_t n,        \
+                                   double eps)                                                 \
+    {                                                                                          \
+        return fused_forward_##S(0, x, ldx, residual, ldr, weight, bias, y, h, mean, rstd, m,  \
+                                 n, eps);                                                      \
+    }                                                                                          \
+    int add_rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TR *residual, ptrdiff_t ldr, \
+                                 const TP *weight, TX *y, TR *h, TP *rstd, ptrdiff_t m,        \
+                                 ptrdiff_t n, double eps)                                      \
+    {                                                                                          \
+        return fused_forward_##S(1, x, ldx, residual, ldr, weight, NULL, y, h, NULL, rstd, m,  \
+                                 n, eps);                                                      \
+    }                                                                                          \
+    int add_layer_norm_backward_##S(const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, \
+                                    const TR *h, ptrdiff_t ldh, const TP *mean, const TP *rstd, \
+                                    const TP *weight, TR *dsum, double *dweight_blocks,        \
+                                    double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)            \
+    {                                                                                          \
+        return fused_backward_##S(0, dy, lddy, dh, lddh, h, ldh, mean, rstd, weight, dsum,     \
+                                  dweight_blocks, dbias_blocks, m, n);                         \
+    }                                                                                          \
+    int add_rms_norm_backward_##S(const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh,   \
+                                  const TR *h, ptrdiff_t ldh, const TP *rstd, const TP *weight, \
+                                  TR *dsum, double *dweight_blocks, ptrdiff_t m, ptrdiff_t n)  \
+    {                                                                                          \
+        return fused_backward_##S(1, dy, lddy, dh, lddh, h, ldh, NULL, rstd, weight, dsum,     \
+                                  dweight_blocks, NULL, m, n);                                 \
+    }
+
+NORMS_FUSED_EXPORTS(f32, float, float, float)
+NORMS_FUSED_EXPORTS(f64, double, double, double)
+NORMS_FUSED_EXPORTS(f16, uint16_t, uint16_t, float)
+NORMS_FUSED_EXPORTS(f16f32, uint16_t, float, float)

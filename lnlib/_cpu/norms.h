@@ -95,4 +95,80 @@ int norms_set_streaming(int enabled);
 /* Adds the rows of blocks (nblocks, n) pairwise, in a fixed order; the total ends in row 0. */
 void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n);
 
+/* The fused residual add (norms.c, section "fused residual add"): h = residual + x, then the
+ * norm of h; the backward dsum = dh + dx. lnlib/_rows.py states the rounding. Per block of
+ * rows whose h fits in NORMS_FUSED_BLOCK_BYTES (a power of two of rows, at most
+ * NORMS_BLOCK_ROWS, so a block never straddles a row block of the column sums), the add into h,
+ * then the kernel above on that block of h while it is in cache: y is bitwise the kernel's
+ * y of h, dsum bitwise its dx plus dh. residual rows ldr apart; h, y, dsum contiguous (m, n);
+ * h may be residual itself (ldr == n), nothing else overlaps. dh may be NULL (zero).
+ * Suffixes: _f32, _f64 and _f16 all arrays in that type (float16 as uint16_t bits, weight,
+ * bias, mean, rstd in float); _f16f32: x, y and dy float16, residual, h, dh, dsum float.
+ * They return 0, or 1 when their scratch cannot be allocated. */
+enum { NORMS_FUSED_BLOCK_BYTES = 128 << 10 };
+int add_layer_norm_forward_f32(const float *x, ptrdiff_t ldx, const float *residual,
+                               ptrdiff_t ldr, const float *weight, const float *bias, float *y,
+                               float *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
+                               double eps);
+int add_layer_norm_forward_f64(const double *x, ptrdiff_t ldx, const double *residual,
+                               ptrdiff_t ldr, const double *weight, const double *bias,
+                               double *y, double *h, double *mean, double *rstd, ptrdiff_t m,
+                               ptrdiff_t n, double eps);
+int add_layer_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
+                               ptrdiff_t ldr, const float *weight, const float *bias,
+                               uint16_t *y, uint16_t *h, float *mean, float *rstd, ptrdiff_t m,
+                               ptrdiff_t n, double eps);
+int add_layer_norm_forward_f16f32(const uint16_t *x, ptrdiff_t ldx, const float *residual,
+                                  ptrdiff_t ldr, const float *weight, const float *bias,
+                                  uint16_t *y, float *h, float *mean, float *rstd, ptrdiff_t m,
+                                  ptrdiff_t n, double eps);
+int add_rms_norm_forward_f32(const float *x, ptrdiff_t ldx, const float *residual,
+                             ptrdiff_t ldr, const float *weight, float *y, float *h,
+                             float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
+int add_rms_norm_forward_f64(const double *x, ptrdiff_t ldx, const double *residual,
+                             ptrdiff_t ldr, const double *weight, double *y, double *h,
+                             double *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
+int add_rms_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
+                             ptrdiff_t ldr, const float *weight, uint16_t *y, uint16_t *h,
+                             float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
+int add_rms_norm_forward_f16f32(const uint16_t *x, ptrdiff_t ldx, const float *residual,
+                                ptrdiff_t ldr, const float *weight, uint16_t *y, float *h,
+                                float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
+int add_layer_norm_backward_f32(const float *dy, ptrdiff_t lddy, const float *dh,
+                                ptrdiff_t lddh, const float *h, ptrdiff_t ldh, const float *mean,
+                                const float *rstd, const float *weight, float *dsum,
+                                double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
+                                ptrdiff_t n);
+int add_layer_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *dh,
+                                ptrdiff_t lddh, const double *h, ptrdiff_t ldh,
+                                const double *mean, const double *rstd, const double *weight,
+                                double *dsum, double *dweight_blocks, double *dbias_blocks,
+                                ptrdiff_t m, ptrdiff_t n);
+int add_layer_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
+                                ptrdiff_t lddh, const uint16_t *h, ptrdiff_t ldh,
+                                const float *mean, const float *rstd, const float *weight,
+                                uint16_t *dsum, double *dweight_blocks, double *dbias_blocks,
+                                ptrdiff_t m, ptrdiff_t n);
+int add_layer_norm_backward_f16f32(const uint16_t *dy, ptrdiff_t lddy, const float *dh,
+                                   ptrdiff_t lddh, const float *h, ptrdiff_t ldh,
+                                   const float *mean, const float *rstd, const float *weight,
+                                   float *dsum, double *dweight_blocks, double *dbias_blocks,
+                                   ptrdiff_t m, ptrdiff_t n);
+int add_rms_norm_backward_f32(const float *dy, ptrdiff_t lddy, const float *dh, ptrdiff_t lddh,
+                              const float *h, ptrdiff_t ldh, const float *rstd,
+                              const float *weight, float *dsum, double *dweight_blocks,
+                              ptrdiff_t m, ptrdiff_t n);
+int add_rms_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *dh,
+                              ptrdiff_t lddh, const double *h, ptrdiff_t ldh,
+                              const double *rstd, const double *weight, double *dsum,
+                              double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
+int add_rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
+                              ptrdiff_t lddh, const uint16_t *h, ptrdiff_t ldh,
+                              const float *rstd, const float *weight, uint16_t *dsum,
+                              double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
+int add_rms_norm_backward_f16f32(const uint16_t *dy, ptrdiff_t lddy, const float *dh,
+                                 ptrdiff_t lddh, const float *h, ptrdiff_t ldh,
+                                 const float *rstd, const float *weight, float *dsum,
+                                 double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
+
 #endif
