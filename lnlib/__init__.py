@@ -20,6 +20,14 @@ from .ada_norm import (
     adaln_modulation_backward,
     adaln_zero_init,
 )
+from .add_norm import (
+    add_layer_norm,
+    add_layer_norm_backward,
+    add_layer_norm_forward,
+    add_rms_norm,
+    add_rms_norm_backward,
+    add_rms_norm_forward,
+)
 from .batch_norm import batch_norm, batch_norm_backward, batch_norm_forward
 from .dynamic_tanh import dynamic_tanh, dynamic_tanh_backward
 from .gradcheck import check_grad, numerical_grad
@@ -37,6 +45,12 @@ __all__ = [
     "rms_norm",
     "rms_norm_forward",
     "rms_norm_backward",
+    "add_layer_norm",
+    "add_layer_norm_forward",
+    "add_layer_norm_backward",
+    "add_rms_norm",
+    "add_rms_norm_forward",
+    "add_rms_norm_backward",
     "ada_layer_norm",
     "ada_layer_norm_forward",
     "ada_layer_norm_backward",

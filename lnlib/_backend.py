@@ -18,6 +18,7 @@ from ._rows import check_thread_setting, thread_setting
 __all__ = ["use_implementation", "show_config"]
 
 OPS = ("layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward")
+OPS += tuple("add_" + op for op in OPS)  # the fused residual add (lnlib.add_norm)
 DTYPES = ("float16", "float32", "float64")  # what every implementation takes
 Row = namedtuple("Row", "module arrays description")
 #: Each implementation: its module and the arrays it takes ("numpy", "cupy" or "any").

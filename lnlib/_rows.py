@@ -372,3 +372,104 @@ def written(out, results, passed=None):
             a[...] = r
         done.append(r if a is None else a)
     return tuple(done)
+
+
+# The fused residual add (lnlib.add_norm): h = residual + x, then the norm of h.
+#
+# The row contract of its four ops, in every implementation (arrays (M, D) as above, dh may be
+# None):
+#
+#   add_layer_norm_forward_rows(x, residual, weight, bias, eps, h_dtype) -> y, h, mean, rstd
+#   add_layer_norm_backward_rows(dy, dh, h, mean, rstd, weight)        -> dsum, dweight, dbias
+#   add_rms_norm_forward_rows(x, residual, weight, eps, h_dtype)       -> y, h, rstd
+#   add_rms_norm_backward_rows(dy, dh, h, rstd, weight)                -> dsum, dweight
+#
+# h is residual + x added in the widest dtype of x, residual and h and rounded once to h's
+# dtype; y (dtype of x) is the norm's row function on h, cast to x's dtype; dsum (dtype of h) is
+# the norm's dx (dtype of h) plus dh, added in the widest dtype of the two and rounded once.
+
+#: Bytes of h in one block of the fused add: the add writes it and the norm reads it back
+#: while it is still in the core's L2 cache.
+FUSED_BLOCK_BYTES = 1 << 19
+
+
+def add_into(x, residual, h, xp=np):
+    """``h[...] = residual + x``, added in the widest of the three dtypes, rounded once to h's.
+
+    ``h`` may be ``residual`` itself (each element is read before it is written)."""
+    wide = np.result_type(x.dtype, residual.dtype, h.dtype)
+    if x.dtype == residual.dtype == h.dtype:
+        return xp.add(residual, x, out=h)
+    return xp.add(residual, x, out=h, dtype=wide, casting="unsafe")
+
+
+def add_norm_forward_blocks(norm_rows, x, residual, params, eps, h_dtype, nstats, out):
+    """The fused forward on the CPU: per block of rows the add into h, then ``norm_rows`` (an
+    implementation's ``layer_norm_forward_rows`` or ``rms_norm_forward_rows``, one thread) on
+    the block of h while it is in cache. Each row is computed as the unfused norm of h computes
+    it, so y is bitwise that of the norm of h."""
+    m, n = x.shape
+    acc = accumulation_dtype(h_dtype)
+    y, h = out_array(out, 0, (m, n), x.dtype), out_array(out, 1, (m, n), h_dtype)
+    stats = [out_array(out, 2 + i, (m,), acc) for i in range(nstats)]
+    same = x.dtype == h_dtype
+
+    def chunk(start, stop, rows):
+        scratch = None if same else np.empty((min(rows, stop - start), n), dtype=h_dtype)
+        for i in range(start, stop, rows):
+            j = min(i + rows, stop)
+            hb = add_into(x[i:j], residual[i:j], h[i:j])
+            yb = y[i:j] if same else scratch[: j - i]
+            norm_rows(hb, *params, eps, threads=1, out=(yb, *[s[i:j] for s in stats]))
+            if not same:
+                np.copyto(y[i:j], yb, casting="unsafe")
+
+    rows = max(1, FUSED_BLOCK_BYTES // (n * np.dtype(h_dtype).itemsize))
+    run_chunks(m, n, chunk, block_rows=rows, itemsize=np.dtype(h_dtype).itemsize)
+    return (y, h, *stats)
+
+
+def add_norm_backward_blocks(norm_rows, dy, dh, h, stats, weight, nparams, out):
+    """The fused backward on the CPU: per block of rows the norm's backward ``norm_rows`` (one
+    thread) into dsum, then dh added to the block while it is in cache. The parameter
+    gradients of the blocks are added in float64 in row order (bits independent of threads)."""
+    m, n = h.shape
+    dsum = out_array(out, 0, (m, n), h.dtype)
+
+    def chunk(start, stop, rows):
+        parts = []
+        for i in range(start, stop, rows):
+            j = min(i + rows, stop)
+            got = norm_rows(
+                dy[i:j],
+                h[i:j],
+                *[s[i:j] for s in stats],
+                weight,
+                threads=1,
+                out=(dsum[i:j],) + (None,) * nparams,
+            )
+            if dh is not None:
+                add_into(dh[i:j], got[0], dsum[i:j])
+            parts.append(got[1:])
+        return parts
+
+    rows = max(1, FUSED_BLOCK_BYTES // (n * h.itemsize))
+    parts = [p for c in run_chunks(m, n, chunk, block_rows=rows, itemsize=h.itemsize) for p in c]
+    grads = [add_in_order([p[k] for p in parts], n) for k in range(nparams)]
+    return written(out, (dsum, *grads))
+
+
+def add_norm_forward_composed(norm_rows, x, residual, params, eps, h_dtype, out, xp):
+    """The fused forward as two operations (the add, then ``norm_rows`` on all of h): for an
+    implementation without a fused kernel."""
+    h = add_into(x, residual, out_array(out, 1, x.shape, h_dtype, xp), xp)
+    y, *stats = norm_rows(h, *params, eps)
+    return written(out, (y.astype(x.dtype, copy=False), h, *stats))
+
+
+def add_norm_backward_composed(norm_rows, dy, dh, h, stats, weight, out, xp):
+    """The fused backward as the norm's backward, then dh added."""
+    dx, *grads = norm_rows(dy, h, *stats, weight)
+    if dh is not None:
+        dx = add_into(dh, dx, dx, xp)
+    return written(out, (dx, *grads))

@@ -168,26 +168,27 @@ def normalized_axes(shape, k):
     return tail
 
 
-def same_shape(a, name, x):
+def same_shape(a, name, x, x_name="x"):
     """Check that ``a`` (a gradient such as ``dy``) has exactly the shape of ``x``."""
     if a.shape != x.shape:
-        raise ValueError(f"{name} must have the shape of x, {x.shape}, got {a.shape}")
+        raise ValueError(f"{name} must have the shape of {x_name}, {x.shape}, got {a.shape}")
 
 
-def backward_inputs(dy, x, xp, **stats):
+def backward_inputs(dy, x, xp, x_name="x", **stats):
     """Check the arguments every row-wise backward takes: ``dy``, ``x`` and saved statistics.
 
-    Returns ``(dy, x, stats, k)`` with ``stats`` a list in the order given and ``k`` the
-    number of normalized axes.
+    ``x_name`` is what the errors call ``x`` (``"h"`` for the fused residual add). Returns
+    ``(dy, x, stats, k)`` with ``stats`` a list in the order given and ``k`` the number of
+    normalized axes.
     """
-    x = float_array(x, "x", xp)
+    x = float_array(x, x_name, xp)
     dy = float_array(dy, "dy", xp)
-    same_shape(dy, "dy", x)
+    same_shape(dy, "dy", x, x_name)
     stats = {name: float_array(s, name, xp) for name, s in stats.items()}
-    return dy, x, list(stats.values()), saved_stats(x, **stats)
+    return dy, x, list(stats.values()), saved_stats(x, x_name=x_name, **stats)
 
 
-def saved_stats(x, **stats):
+def saved_stats(x, x_name="x", **stats):
     """Check saved statistics (mean, rstd): all of one shape, the leading axes of ``x``.
 
     Returns the number of normalized axes, ``x.ndim - stat.ndim``.
@@ -199,8 +200,8 @@ def saved_stats(x, **stats):
             raise ValueError(f"{name} must have the shape of {first_name}, {first}, got {shape}")
     if len(first) >= x.ndim or tuple(x.shape[: len(first)]) != first:
         raise ValueError(
-            f"{first_name} must have the shape of the leading (unnormalized) axes of x "
-            f"{x.shape}, i.e. x.shape[:x.ndim - normalized_ndim], got {first}"
+            f"{first_name} must have the shape of the leading (unnormalized) axes of {x_name} "
+            f"{x.shape}, i.e. {x_name}.shape[:{x_name}.ndim - normalized_ndim], got {first}"
         )
     k = x.ndim - len(first)
     normalized_axes(x.shape, k)

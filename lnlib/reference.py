@@ -595,3 +595,35 @@ def rms_norm_forward_rows(x, weight, eps, *, out=None):
 def rms_norm_backward_rows(dy, x, rstd, weight, *, out=None):
     """:func:`rms_norm_backward` on rows, with the ``out`` of the row contract."""
     return written(out, rms_norm_backward(dy, x, rstd, weight))
+
+
+def _add(a, b, dtype):
+    """``a + b`` added in the widest of the three dtypes and rounded once to ``dtype``."""
+    wide = np.result_type(a.dtype, b.dtype, dtype)
+    return (a.astype(wide) + b.astype(wide)).astype(dtype)
+
+
+def add_layer_norm_forward_rows(x, residual, weight, bias, eps, h_dtype, *, out=None):
+    """The fused add and LayerNorm: the add, then :func:`layer_norm_forward` of h."""
+    h = _add(residual, x, h_dtype)
+    y, mean, rstd = layer_norm_forward(h, weight, bias, eps=eps)
+    return written(out, (y.astype(x.dtype), h, mean, rstd))
+
+
+def add_layer_norm_backward_rows(dy, dh, h, mean, rstd, weight, *, out=None):
+    """Its backward: the gradient of h along both of its paths, dh + dx."""
+    dx, dweight, dbias = layer_norm_backward(dy, h, mean, rstd, weight)
+    return written(out, (dx if dh is None else _add(dx, dh, h.dtype), dweight, dbias))
+
+
+def add_rms_norm_forward_rows(x, residual, weight, eps, h_dtype, *, out=None):
+    """The fused add and RMSNorm: the add, then :func:`rms_norm_forward` of h."""
+    h = _add(residual, x, h_dtype)
+    y, rstd = rms_norm_forward(h, weight, eps=eps)
+    return written(out, (y.astype(x.dtype), h, rstd))
+
+
+def add_rms_norm_backward_rows(dy, dh, h, rstd, weight, *, out=None):
+    """Its backward: dh + dx."""
+    dx, dweight = rms_norm_backward(dy, h, rstd, weight)
+    return written(out, (dx if dh is None else _add(dx, dh, h.dtype), dweight))

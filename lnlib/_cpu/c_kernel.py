@@ -42,9 +42,19 @@ import warnings
 
 import numpy as np
 
-from .._rows import out_array, run_chunks, written
+from .._rows import (
+    add_norm_backward_blocks,
+    add_norm_forward_blocks,
+    out_array,
+    run_chunks,
+    written,
+)
 
 __all__ = [
+    "add_layer_norm_forward_rows",
+    "add_layer_norm_backward_rows",
+    "add_rms_norm_forward_rows",
+    "add_rms_norm_backward_rows",
     "PASSES",
     "available",
     "info",
@@ -662,3 +672,33 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     rows = _state["module"].lib.NORMS_BLOCK_ROWS
     run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, x.nbytes + dy.nbytes))
     return written(out, (dx, _column_totals(blocks, p_dw, acc)[0]))
+
+
+# The fused residual add (the row contract in lnlib._rows): blocks of rows, the add into h,
+# then this module's norm on the block while it is in cache.
+
+
+def add_layer_norm_forward_rows(x, residual, weight, bias, eps, h_dtype, *, out=None):
+    """``y, h, mean, rstd``: h = residual + x, then :func:`layer_norm_forward_rows` of h."""
+    return add_norm_forward_blocks(
+        layer_norm_forward_rows, x, residual, (weight, bias), eps, h_dtype, 2, out
+    )
+
+
+def add_layer_norm_backward_rows(dy, dh, h, mean, rstd, weight, *, out=None):
+    """``dsum, dweight, dbias``: :func:`layer_norm_backward_rows` of h, plus dh."""
+    return add_norm_backward_blocks(
+        layer_norm_backward_rows, dy, dh, h, (mean, rstd), weight, 2, out
+    )
+
+
+def add_rms_norm_forward_rows(x, residual, weight, eps, h_dtype, *, out=None):
+    """``y, h, rstd``: h = residual + x, then :func:`rms_norm_forward_rows` of h."""
+    return add_norm_forward_blocks(
+        rms_norm_forward_rows, x, residual, (weight,), eps, h_dtype, 1, out
+    )
+
+
+def add_rms_norm_backward_rows(dy, dh, h, rstd, weight, *, out=None):
+    """``dsum, dweight``: :func:`rms_norm_backward_rows` of h, plus dh."""
+    return add_norm_backward_blocks(rms_norm_backward_rows, dy, dh, h, (rstd,), weight, 1, out)

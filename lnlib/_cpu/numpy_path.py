@@ -17,6 +17,8 @@ import numpy as np
 from .._rows import (
     accumulation_dtype,
     add_in_order,
+    add_norm_backward_blocks,
+    add_norm_forward_blocks,
     column_group_sums,
     load_block,
     out_array,
@@ -25,6 +27,10 @@ from .._rows import (
 )
 
 __all__ = [
+    "add_layer_norm_forward_rows",
+    "add_layer_norm_backward_rows",
+    "add_rms_norm_forward_rows",
+    "add_rms_norm_backward_rows",
     "available",
     "layer_norm_forward_rows",
     "layer_norm_backward_rows",
@@ -295,3 +301,33 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, block_rows=None, threads=None
         m, n, _quiet(chunk), block_rows=block_rows, threads=threads, itemsize=acc.itemsize
     )
     return written(out, (dx, add_in_order((g for p in parts for g in p), n)))
+
+
+# The fused residual add (the row contract in lnlib._rows): blocks of rows, the add into h,
+# then this module's norm on the block while it is in cache.
+
+
+def add_layer_norm_forward_rows(x, residual, weight, bias, eps, h_dtype, *, out=None):
+    """``y, h, mean, rstd``: h = residual + x, then :func:`layer_norm_forward_rows` of h."""
+    return add_norm_forward_blocks(
+        layer_norm_forward_rows, x, residual, (weight, bias), eps, h_dtype, 2, out
+    )
+
+
+def add_layer_norm_backward_rows(dy, dh, h, mean, rstd, weight, *, out=None):
+    """``dsum, dweight, dbias``: :func:`layer_norm_backward_rows` of h, plus dh."""
+    return add_norm_backward_blocks(
+        layer_norm_backward_rows, dy, dh, h, (mean, rstd), weight, 2, out
+    )
+
+
+def add_rms_norm_forward_rows(x, residual, weight, eps, h_dtype, *, out=None):
+    """``y, h, rstd``: h = residual + x, then :func:`rms_norm_forward_rows` of h."""
+    return add_norm_forward_blocks(
+        rms_norm_forward_rows, x, residual, (weight,), eps, h_dtype, 1, out
+    )
+
+
+def add_rms_norm_backward_rows(dy, dh, h, rstd, weight, *, out=None):
+    """``dsum, dweight``: :func:`rms_norm_backward_rows` of h, plus dh."""
+    return add_norm_backward_blocks(rms_norm_backward_rows, dy, dh, h, (rstd,), weight, 1, out)

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from .._rows import out_array, written
+from .._rows import add_norm_backward_composed, add_norm_forward_composed, out_array, written
 from . import build
 
 _NULL = np.uintp(0)
@@ -172,3 +172,37 @@ def rms_norm_forward_rows(x, weight, eps, *, out=None):
 def rms_norm_backward_rows(dy, x, rstd, weight, *, out=None):
     """RMSNorm backward on rows with the CUDA kernel: ``dx, dweight``."""
     return _backward("rms_norm_bwd", dy, x, (rstd,), weight, False, out)
+
+
+# The fused residual add (the row contract in lnlib._rows), composed until fused CUDA kernels
+# land: CuPy's add, then the kernels of the norm on h.
+
+
+def add_layer_norm_forward_rows(x, residual, weight, bias, eps, h_dtype, *, out=None):
+    """``y, h, mean, rstd``: h = residual + x, then :func:`layer_norm_forward_rows` of h."""
+    cupy = sys.modules["cupy"]
+    return add_norm_forward_composed(
+        layer_norm_forward_rows, x, residual, (weight, bias), eps, h_dtype, out, cupy
+    )
+
+
+def add_layer_norm_backward_rows(dy, dh, h, mean, rstd, weight, *, out=None):
+    """``dsum, dweight, dbias``: :func:`layer_norm_backward_rows` of h, plus dh."""
+    cupy = sys.modules["cupy"]
+    return add_norm_backward_composed(
+        layer_norm_backward_rows, dy, dh, h, (mean, rstd), weight, out, cupy
+    )
+
+
+def add_rms_norm_forward_rows(x, residual, weight, eps, h_dtype, *, out=None):
+    """``y, h, rstd``: h = residual + x, then :func:`rms_norm_forward_rows` of h."""
+    cupy = sys.modules["cupy"]
+    return add_norm_forward_composed(
+        rms_norm_forward_rows, x, residual, (weight,), eps, h_dtype, out, cupy
+    )
+
+
+def add_rms_norm_backward_rows(dy, dh, h, rstd, weight, *, out=None):
+    """``dsum, dweight``: :func:`rms_norm_backward_rows` of h, plus dh."""
+    cupy = sys.modules["cupy"]
+    return add_norm_backward_composed(rms_norm_backward_rows, dy, dh, h, (rstd,), weight, out, cupy)
