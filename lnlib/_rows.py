@@ -403,11 +403,13 @@ def add_into(x, residual, h, xp=np):
     return xp.add(residual, x, out=h, dtype=wide, casting="unsafe")
 
 
-def add_norm_forward_blocks(norm_rows, x, residual, params, eps, h_dtype, nstats, out):
+def add_norm_forward_blocks(
+    norm_rows, x, residual, params, eps, h_dtype, nstats, out, threads=None
+):
     """The fused forward on the CPU: per block of rows the add into h, then ``norm_rows`` (an
     implementation's ``layer_norm_forward_rows`` or ``rms_norm_forward_rows``, one thread) on
-    the block of h while it is in cache. Each row is computed as the unfused norm of h computes
-    it, so y is bitwise that of the norm of h."""
+    the block of h while it is in cache (``threads`` as for :func:`run_chunks`). Each row is
+    computed as the unfused norm of h computes it, so y is bitwise that of the norm of h."""
     m, n = x.shape
     acc = accumulation_dtype(h_dtype)
     y, h = out_array(out, 0, (m, n), x.dtype), out_array(out, 1, (m, n), h_dtype)
@@ -425,14 +427,15 @@ def add_norm_forward_blocks(norm_rows, x, residual, params, eps, h_dtype, nstats
                 np.copyto(y[i:j], yb, casting="unsafe")
 
     rows = max(1, FUSED_BLOCK_BYTES // (n * np.dtype(h_dtype).itemsize))
-    run_chunks(m, n, chunk, block_rows=rows, itemsize=np.dtype(h_dtype).itemsize)
+    run_chunks(m, n, chunk, block_rows=rows, threads=threads, itemsize=np.dtype(h_dtype).itemsize)
     return (y, h, *stats)
 
 
-def add_norm_backward_blocks(norm_rows, dy, dh, h, stats, weight, nparams, out):
+def add_norm_backward_blocks(norm_rows, dy, dh, h, stats, weight, nparams, out, threads=None):
     """The fused backward on the CPU: per block of rows the norm's backward ``norm_rows`` (one
     thread) into dsum, then dh added to the block while it is in cache. The parameter
-    gradients of the blocks are added in float64 in row order (bits independent of threads)."""
+    gradients of the blocks are added in float64 in row order (bits independent of threads).
+    ``threads`` as for :func:`run_chunks`."""
     m, n = h.shape
     dsum = out_array(out, 0, (m, n), h.dtype)
 
@@ -454,7 +457,8 @@ def add_norm_backward_blocks(norm_rows, dy, dh, h, stats, weight, nparams, out):
         return parts
 
     rows = max(1, FUSED_BLOCK_BYTES // (n * h.itemsize))
-    parts = [p for c in run_chunks(m, n, chunk, block_rows=rows, itemsize=h.itemsize) for p in c]
+    chunks = run_chunks(m, n, chunk, block_rows=rows, threads=threads, itemsize=h.itemsize)
+    parts = [p for c in chunks for p in c]
     grads = [add_in_order([p[k] for p in parts], n) for k in range(nparams)]
     return written(out, (dsum, *grads))
 

@@ -31,6 +31,10 @@ reading ``dy`` and ``x`` and writing ``dx`` (5 x M x D in all). A copy reads and
 array once (2 x size), so the fraction of the bound says how close a call comes to doing
 nothing but moving its data.
 
+``--ops add_layer_norm,add_rms_norm`` times the residual add fused with the norm
+(:mod:`lnlib.add_norm`) against lnlib's add then norm and torch's ``residual + x`` then the
+norm, forward and forward+backward, each against the bytes it must move.
+
 ``--steps`` times the successive optimisations of the forward (the chapter's plot): the
 readable reference; the fused version with preallocated scratch and ``out=`` arguments over
 the whole array in one thread; the same, row-blocked so a block stays in cache across the
@@ -84,16 +88,21 @@ def parse_shapes(text):
 PAUSE_S = 0.0
 
 
-def _median_times(tasks, repeats, warmup=1, pause=None):
+def _median_times(tasks, repeats, warmup=1, pause=None, rotate=False):
     """Run each task once per repeat, in turn, after ``pause`` seconds idle (default
-    :data:`PAUSE_S`); return {name: [seconds, ...]}."""
+    :data:`PAUSE_S`); return {name: [seconds, ...]}. With ``rotate`` repeat ``i`` starts at
+    task ``i`` (modulo their number), so that each task follows each other one as often: none
+    is always the one timed while the previous call's threads (torch's spinning workers) are
+    still busy."""
     pause = PAUSE_S if pause is None else pause
     for _ in range(warmup):
         for fn in tasks.values():
             fn()
     times = {name: [] for name in tasks}
-    for _ in range(repeats):
-        for name, fn in tasks.items():
+    order = list(tasks.items())
+    for i in range(repeats):
+        k = i % len(order) if rotate else 0
+        for name, fn in order[k:] + order[:k]:
             if pause > 0:
                 time.sleep(pause)
             t0 = time.perf_counter()
@@ -363,6 +372,142 @@ def bench_shape(shape, dtype, repeats, copy, eps=1e-5, op="layer_norm"):
     tasks = contenders(shape, dtype, eps, op)
     errors = check(tasks, shape, dtype)
     return report(shape, dtype, _median_times(tasks, repeats), errors, copy, op)
+
+
+#: The fused residual add (:mod:`lnlib.add_norm`): the ops ``--ops`` takes for it, and the
+#: full-size arrays each contender must move: fused forward reads x and residual and writes h
+#: and y (4); unfused, the add moves 3 and the norm 2 (5). The backward reads dy, dh and h and
+#: writes dsum (4) fused; unfused, the norm's backward moves 3 and the add of dh 3 (6).
+FUSED_OPS = ("add_layer_norm", "add_rms_norm")
+FUSED_STREAMS = {"fused_fwd": 4, "unfused_fwd": 5, "fused_fwdbwd": 8, "unfused_fwdbwd": 11}
+
+
+def fused_contenders(shape, dtype, eps=1e-5, op="add_layer_norm"):
+    """The timed callables of the fused residual add on one shape: lnlib fused, lnlib's add
+    then norm (NumPy's ``residual + x``, then the lnlib norm; ``dx + dh`` in the backward), and
+    torch's ``residual + x`` then ``F.layer_norm`` (``F.rms_norm``), forward and
+    forward+backward (torch through autograd, both outputs receiving a gradient)."""
+    import torch
+    import torch.nn.functional as F
+
+    rms = op == "add_rms_norm"
+    d = shape[1]
+    x, weight, bias, dy = _inputs(shape, dtype)  # (M, D), (D,), (D,), (M, D)
+    residual, _, _, dh = _inputs(shape, dtype, seed=1)  # (M, D), (M, D)
+    params = (weight,) if rms else (weight, bias)
+    fwd = lnlib.add_rms_norm_forward if rms else lnlib.add_layer_norm_forward
+    bwd = lnlib.add_rms_norm_backward if rms else lnlib.add_layer_norm_backward
+    norm_fwd = lnlib.rms_norm_forward if rms else lnlib.layer_norm_forward
+    norm_bwd = lnlib.rms_norm_backward if rms else lnlib.layer_norm_backward
+    tx, tr, tdy, tdh = (torch.from_numpy(a) for a in (x, residual, dy, dh))
+    tparams = [torch.from_numpy(p).clone().requires_grad_() for p in params]
+
+    def torch_norm(h):
+        if rms:
+            return F.rms_norm(h, (d,), tparams[0], eps)
+        return F.layer_norm(h, (d,), *tparams, eps)
+
+    def fused_fwdbwd():
+        _, h, *stats = fwd(x, residual, *params, eps=eps)
+        return bwd(dy, dh, h, *stats, weight)
+
+    def unfused_fwd():
+        h = residual + x
+        return (norm_fwd(h, *params, eps=eps)[0], h)
+
+    def unfused_fwdbwd():
+        h = residual + x
+        _, *stats = norm_fwd(h, *params, eps=eps)
+        dx, *grads = norm_bwd(dy, h, *stats, weight)
+        return (dx + dh, *grads)
+
+    def torch_fwd():
+        with torch.no_grad():
+            h = tr + tx
+            return (torch_norm(h), h)
+
+    def torch_fwdbwd():
+        for p in tparams:
+            p.grad = None
+        xg, rg = tx.detach().requires_grad_(), tr.detach().requires_grad_()
+        h = rg + xg
+        torch.autograd.backward([torch_norm(h), h], [tdy, tdh])
+        return (xg.grad, *(p.grad for p in tparams))
+
+    return {
+        "fused_fwd": lambda: fwd(x, residual, *params, eps=eps)[:2],
+        "unfused_fwd": unfused_fwd,
+        "torch_fwd": torch_fwd,
+        "fused_fwdbwd": fused_fwdbwd,
+        "unfused_fwdbwd": unfused_fwdbwd,
+        "torch_fwdbwd": torch_fwdbwd,
+        **copies_of(x),
+    }
+
+
+def check_fused(tasks, shape, dtype):
+    """Compare the contenders once before timing: fused and unfused bitwise in y, h and dsum;
+    torch within the dtype's tolerance. Returns the largest differences from torch."""
+    (y, h), (yu, hu) = tasks["fused_fwd"](), tasks["unfused_fwd"]()
+    ds, ds_u = tasks["fused_fwdbwd"]()[0], tasks["unfused_fwdbwd"]()[0]
+    if not (np.array_equal(y, yu) and np.array_equal(h, hu) and np.array_equal(ds, ds_u)):
+        raise AssertionError(f"fused and unfused lnlib differ on {shape} {np.dtype(dtype).name}")
+    y_t, ds_t = tasks["torch_fwd"]()[0].numpy(), tasks["torch_fwdbwd"]()[0].numpy()
+    tol = 1e-2 if np.dtype(dtype).itemsize <= 2 else 1e-3
+    err_fwd = float(np.max(np.abs(y.astype(np.float64) - y_t)))
+    err_bwd = float(np.max(np.abs(ds.astype(np.float64) - ds_t)))
+    if not (err_fwd < tol and err_bwd < tol):
+        raise AssertionError(f"lnlib and torch disagree: {err_fwd:.3g}, {err_bwd:.3g}")
+    return err_fwd, err_bwd
+
+
+def bench_fused_shape(shape, dtype, repeats, eps=1e-5, op="add_layer_norm"):
+    """Check, time and report the fused residual add on one shape (the contenders' order
+    rotating from repeat to repeat): medians, the ratios
+    unfused / fused and torch / fused, and each contender's time against its bound (the best
+    copy of x, timed beside it, times half its streams)."""
+    tasks = fused_contenders(shape, dtype, eps, op)
+    errors = check_fused(tasks, shape, dtype)
+    times = _median_times(tasks, repeats, rotate=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    copy_x = min(med[k] for k in ("copy_x", "copy_x_threads", "torch_copy_x"))
+    row = {"op": op, "shape": list(shape), "dtype": np.dtype(dtype).name, "repeats": repeats}
+    row.update(max_abs_diff_fwd=errors[0], max_abs_diff_dsum=errors[1], copy_x_best_s=copy_x)
+    for k, v in med.items():
+        row[f"{k}_s"], row[f"{k}_all_s"] = v, times[k]
+    itemsize = np.dtype(dtype).itemsize
+    for kind in ("fwd", "fwdbwd"):
+        for who in ("fused", "unfused"):
+            streams = FUSED_STREAMS[f"{who}_{kind}"]
+            row[f"{who}_{kind}_bytes"] = streams * shape[0] * shape[1] * itemsize
+            row[f"{who}_{kind}_bound_fraction"] = streams / 2 * copy_x / med[f"{who}_{kind}"]
+        row[f"{kind}_vs_unfused"] = med[f"unfused_{kind}"] / med[f"fused_{kind}"]
+        row[f"{kind}_vs_torch"] = med[f"torch_{kind}"] / med[f"fused_{kind}"]
+    return row
+
+
+def format_fused(rows):
+    """The fused residual add's results as a plain-text table."""
+    head = (
+        f"{'op':>14} {'shape':>10} {'dtype':>7} | {'pass':>7} {'fused ms':>8} {'unfused':>8} "
+        f"{'torch ms':>8} | {'vs unf.':>7} {'vs torch':>8} | {'of bound':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tag = f"{r['op']:>14} " + "x".join(map(str, r["shape"])).rjust(10)
+        for kind, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+            lines.append(
+                f"{tag} {r['dtype']:>7} | {label:>7} {r[f'fused_{kind}_s'] * 1e3:8.2f} "
+                f"{r[f'unfused_{kind}_s'] * 1e3:8.2f} {r[f'torch_{kind}_s'] * 1e3:8.2f} | "
+                f"{r[f'{kind}_vs_unfused']:6.2f}x {r[f'{kind}_vs_torch']:7.2f}x | "
+                f"{r[f'fused_{kind}_bound_fraction']:8.0%}"
+            )
+    lines.append(
+        "vs unf. = lnlib's add then norm / fused; vs torch = torch's residual + x then the norm "
+        "/ fused (all return new arrays); of bound = the best copy of x, timed beside it, times "
+        "half the arrays moved (4 fwd, 8 fwd+bwd), / the fused time"
+    )
+    return "\n".join(lines)
 
 
 def step_variants(x, weight, bias, eps):
@@ -682,12 +827,15 @@ def run(
     before, PAUSE_S = PAUSE_S, PAUSE_S if pause_s is None else pause_s
     try:
         copy = copy_bandwidth(copy_bytes, copy_repeats or repeats)
-        out = {"machine": machine_info(), "copy": copy, "results": [], "steps": []}
+        out = {"machine": machine_info(), "copy": copy, "results": [], "steps": [], "fused": []}
         out["pause_s"] = PAUSE_S
         for dtype in dtypes:
             for shape in shapes:
                 for op in ops:
-                    out["results"].append(bench_shape(shape, dtype, repeats, copy, op=op))
+                    if op in FUSED_OPS:
+                        out["fused"].append(bench_fused_shape(shape, dtype, repeats, op=op))
+                    else:
+                        out["results"].append(bench_shape(shape, dtype, repeats, copy, op=op))
                 if steps and dtype == np.float32:  # the chapter's figure: float32
                     out["steps"].append(bench_steps(shape, dtype, repeats, copy["best_GBps"]))
     finally:
@@ -707,7 +855,8 @@ def _parser():
     p.add_argument(
         "--ops",
         default="layer_norm",
-        help="comma-separated, of layer_norm and rms_norm (default layer_norm)",
+        help="comma-separated, of layer_norm, rms_norm and the fused residual add "
+        "add_layer_norm, add_rms_norm (default layer_norm)",
     )
     p.add_argument(
         "--repeats",
@@ -770,8 +919,8 @@ def main(argv=None):
         if d.kind != "f":
             p.error(f"--dtypes: expected floating dtypes, got {d}")
     ops = [o.strip() for o in args.ops.split(",")]
-    if not set(ops) <= {"layer_norm", "rms_norm"}:
-        p.error(f"--ops: expected layer_norm and/or rms_norm, got {args.ops!r}")
+    if not set(ops) <= {"layer_norm", "rms_norm", *FUSED_OPS}:
+        p.error(f"--ops: expected layer_norm, rms_norm, {', '.join(FUSED_OPS)}, got {args.ops!r}")
     repeats = args.repeats or (3 if args.quick else 21)
     if repeats < 1:
         p.error("--repeats: expected a positive number")
@@ -788,7 +937,10 @@ def main(argv=None):
         pause_s=args.pause_ms / 1e3,
     )
     result["command"] = "python -m lnlib.bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(format_table(result["results"], result["copy"], result["machine"]))
+    if result["results"]:
+        print(format_table(result["results"], result["copy"], result["machine"]))
+    if result["fused"]:
+        print(format_fused(result["fused"]))
     if result["steps"]:
         print(format_steps(result["steps"]))
     if args.out:

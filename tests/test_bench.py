@@ -150,3 +150,29 @@ def test_pause_option_is_recorded_and_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main([*args, "--pause-ms", "-1"])
     assert "--pause-ms" in capsys.readouterr().err
+
+
+def test_fused_ops_are_checked_timed_and_reported(tmp_path, capsys):
+    out = tmp_path / "f.json"
+    args = ["--quick", "--shapes", "16x64,40x24", "--dtypes", "float32,float16", "--repeats", "3"]
+    result = bench.main(args + ["--ops", "add_layer_norm,add_rms_norm", "--out", str(out)])
+    rows = json.loads(out.read_text())["fused"]
+    assert result["results"] == [] and len(rows) == 8
+    for r in rows:
+        for who in ("fused", "unfused", "torch"):
+            for kind in ("fwd", "fwdbwd"):
+                assert len(r[f"{who}_{kind}_all_s"]) == 3 and r[f"{who}_{kind}_s"] > 0
+        for kind in ("fwd", "fwdbwd"):
+            assert r[f"{kind}_vs_unfused"] == r[f"unfused_{kind}_s"] / r[f"fused_{kind}_s"]
+        m, d = r["shape"]
+        size = m * d * np.dtype(r["dtype"]).itemsize
+        assert (r["fused_fwd_bytes"], r["fused_fwdbwd_bytes"]) == (4 * size, 8 * size)
+        assert (r["unfused_fwd_bytes"], r["unfused_fwdbwd_bytes"]) == (5 * size, 11 * size)
+    assert "vs unf." in capsys.readouterr().out
+
+
+def test_rotated_order_puts_each_task_first_in_turn():
+    seen = []
+    tasks = {k: (lambda k=k: seen.append(k)) for k in "abc"}
+    bench._median_times(tasks, 3, warmup=0, rotate=True)
+    assert seen == list("abcbcacab")

@@ -681,7 +681,15 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
 def add_layer_norm_forward_rows(x, residual, weight, bias, eps, h_dtype, *, out=None):
     """``y, h, mean, rstd``: h = residual + x, then :func:`layer_norm_forward_rows` of h."""
     return add_norm_forward_blocks(
-        layer_norm_forward_rows, x, residual, (weight, bias), eps, h_dtype, 2, out
+        layer_norm_forward_rows,
+        x,
+        residual,
+        (weight, bias),
+        eps,
+        h_dtype,
+        2,
+        out,
+        threads=_threads(None, x.nbytes + residual.nbytes),
     )
 
 
@@ -701,4 +709,14 @@ def add_rms_norm_forward_rows(x, residual, weight, eps, h_dtype, *, out=None):
 
 def add_rms_norm_backward_rows(dy, dh, h, rstd, weight, *, out=None):
     """``dsum, dweight``: :func:`rms_norm_backward_rows` of h, plus dh."""
-    return add_norm_backward_blocks(rms_norm_backward_rows, dy, dh, h, (rstd,), weight, 1, out)
+    return add_norm_backward_blocks(
+        rms_norm_backward_rows,
+        dy,
+        dh,
+        h,
+        (rstd,),
+        weight,
+        1,
+        out,
+        threads=_threads(None, dy.nbytes + h.nbytes),
+    )
