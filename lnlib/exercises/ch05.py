@@ -13,6 +13,9 @@ checker                             the reader writes
 :func:`check_min_time`              ``fn(B, D, itemsize, bandwidth_GBps, backward=False) -> s``
 :func:`check_sharded_rms_rstd`      ``fn(shards, eps) -> rstd`` of RMSNorm over sharded rows
 :func:`check_lane_sum`              ``fn(x, lanes=16) -> sums``, in the kernel's lane order
+:func:`check_add_layer_norm`        ``fn(x, residual, weight, bias, eps, residual_dtype) -> (y, h)``
+:func:`check_add_backward`          ``fn(dy, dh, h, mean, rstd, weight) -> dsum``
+:func:`check_fused_bytes`           ``fn(B, D, x_itemsize, h_itemsize, fused, backward=False)``
 ==================================  ===================================================
 
 The book derives each of them in Chapter 5.
@@ -27,11 +30,15 @@ import numpy as np
 
 from .. import reference
 from ..distributed import merge_moments
+from ..layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
 from ..recompute import layer_norm_backward_from_output
 from ._core import Case, CheckResult, check
 
 __all__ = [
+    "check_add_backward",
+    "check_add_layer_norm",
     "check_backward_from_output",
+    "check_fused_bytes",
     "check_lane_sum",
     "check_merge",
     "check_min_time",
@@ -292,4 +299,130 @@ def check_lane_sum(fn: Callable[..., Any]) -> CheckResult:
     ]
     return check(
         fn, _ref_lane_sum, cases, name=getattr(fn, "__name__", "lane_sum"), rtol=0.0, atol=0.0
+    )
+
+
+# ------------------------------------------------- exercise: the fused residual add
+
+
+def _ref_add_layer_norm(x, residual, weight, bias, eps, residual_dtype):
+    h_dtype = np.dtype(residual.dtype if residual_dtype is None else residual_dtype)
+    add_dtype = np.result_type(x.dtype, residual.dtype, h_dtype)
+    h = (residual.astype(add_dtype) + x.astype(add_dtype)).astype(h_dtype)
+    y = layer_norm(h, weight, bias, eps=eps).astype(x.dtype)
+    return y, h
+
+
+def check_add_layer_norm(fn: Callable[..., Any]) -> CheckResult:
+    """Check ``fn(x, residual, weight, bias, eps, residual_dtype) -> (y, h)``.
+
+    ``h = residual + x``, stored in ``residual_dtype`` (None: the dtype of ``residual``);
+    ``y`` has the dtype of ``x`` and must be, bit for bit, ``lnlib.layer_norm(h, weight,
+    bias, eps=eps)`` cast to the dtype of ``x``: the statistics are those of h as stored.
+    ``weight`` and ``bias`` are float32 (or float64 for float64 rows), or None.
+    """
+    rng = _rng()
+    cases = []
+    for desc, shape, xd, rd, hd in [
+        ("(4, 64) float32, residual float32", (4, 64), np.float32, np.float32, None),
+        ("(3, 100) float64", (3, 100), np.float64, np.float64, None),
+        ("(2, 32): x float16, residual float32 (the stream in float32)", (2, 32),
+         np.float16, np.float32, None),
+        ("(2, 48): x and residual float16, residual_dtype=float32", (2, 48),
+         np.float16, np.float16, np.float32),
+        ("(5, 1): one value per row (y = bias)", (5, 1), np.float32, np.float32, None),
+    ]:
+        pd = np.float64 if xd == np.float64 else np.float32
+        x = rng.normal(size=shape).astype(xd)
+        residual = (3.0 + 4.0 * rng.normal(size=shape)).astype(rd)
+        weight = rng.uniform(0.5, 1.5, size=shape[-1]).astype(pd)
+        bias = rng.normal(size=shape[-1]).astype(pd)
+        cases.append(Case(desc, (x, residual, weight, bias, 1e-5, hd)))
+    x = rng.normal(size=(3, 16)).astype(np.float32)
+    r = rng.normal(size=(3, 16)).astype(np.float32)
+    cases.append(Case("no weight and no bias", (x, r, None, None, 1e-5, None)))
+    return check(
+        fn,
+        _ref_add_layer_norm,
+        cases,
+        name=getattr(fn, "__name__", "add_layer_norm"),
+        rtol=0.0,
+        atol=0.0,
+    )
+
+
+def _ref_add_backward(dy, dh, h, mean, rstd, weight):
+    dx = layer_norm_backward(dy.astype(h.dtype), h, mean, rstd, weight)[0]
+    return dx if dh is None else dh + dx
+
+
+def check_add_backward(fn: Callable[..., Any]) -> CheckResult:
+    """Check ``fn(dy, dh, h, mean, rstd, weight) -> dsum``.
+
+    ``h = residual + x`` fed both the next residual and the LayerNorm whose output had the
+    gradient ``dy``; ``dh`` is the gradient that arrived along the residual stream (None:
+    zero). ``mean`` and ``rstd`` are those of ``lnlib.layer_norm_forward(h, ...)``. The result
+    is the gradient of x and of residual alike, in the dtype of h (float64 here; compared to
+    ``rtol=1e-10``).
+    """
+    rng = _rng()
+    cases = []
+    for desc, shape, has_dh, wscale in [
+        ("(4, 32) with a gradient along the stream", (4, 32), True, 1.0),
+        ("(2, 257) with a gradient along the stream", (2, 257), True, 1.0),
+        ("(3, 16), dh None (nothing arrives along the stream)", (3, 16), False, 1.0),
+        ("(3, 16), a stream gradient 100 times dy", (3, 16), True, 100.0),
+    ]:
+        h = 2.0 + 3.0 * rng.normal(size=shape)
+        weight = rng.uniform(0.5, 1.5, size=shape[-1])
+        _, mean, rstd = layer_norm_forward(h, weight, None)
+        dy = rng.normal(size=shape)
+        dh = wscale * rng.normal(size=shape) if has_dh else None
+        cases.append(Case(desc, (dy, dh, h, mean, rstd, weight)))
+    return check(
+        fn,
+        _ref_add_backward,
+        cases,
+        name=getattr(fn, "__name__", "add_backward"),
+        rtol=1e-10,
+        atol=1e-12,
+    )
+
+
+def _ref_fused_bytes(B, D, x_itemsize, h_itemsize, fused, backward=False):
+    n = B * D
+    if fused:
+        fwd = n * (2 * x_itemsize + 2 * h_itemsize)  # read x, residual; write y, h
+        bwd = n * (x_itemsize + 3 * h_itemsize)  # read dy, dh, h; write dsum
+    else:
+        fwd = n * (2 * x_itemsize + 3 * h_itemsize)  # add: x, residual -> h; norm: h -> y
+        bwd = n * (x_itemsize + 5 * h_itemsize)  # norm: dy, h -> dx; add: dh, dx -> dsum
+    return fwd + bwd if backward else fwd
+
+
+def check_fused_bytes(fn: Callable[..., Any]) -> CheckResult:
+    """Check ``fn(B, D, x_itemsize, h_itemsize, fused, backward=False) -> bytes``.
+
+    The bytes that must move between memory and the core for ``h = residual + x; y =
+    norm(h)`` on (B, D) arrays, fused (one kernel) or not (an add, then a norm that writes y
+    in the dtype of x). x, y and dy have ``x_itemsize`` bytes per element; residual, h, dh,
+    the norm's dx and dsum have ``h_itemsize``. With ``backward=True``: the forward and the
+    backward together.
+    """
+    cases = []
+    for B, D, xi, hi in [(4096, 4096, 4, 4), (32768, 768, 2, 4), (8, 8, 2, 2), (1, 3, 8, 8)]:
+        for fused in (False, True):
+            for bwd in (False, True):
+                kind = "fused" if fused else "unfused"
+                part = "forward and backward" if bwd else "forward"
+                desc = f"({B}, {D}), x {xi} bytes, h {hi} bytes, {kind}, {part}"
+                cases.append(Case(desc, (B, D, xi, hi, fused), {"backward": bwd}))
+    return check(
+        fn,
+        _ref_fused_bytes,
+        cases,
+        name=getattr(fn, "__name__", "fused_bytes"),
+        rtol=0.0,
+        atol=0.0,
+        check_dtype=False,
     )

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+import lnlib
+
 from lnlib.exercises import ch05
 
 
@@ -206,3 +208,99 @@ def test_mistakes_are_caught(capsys):
     out = capsys.readouterr().out
     assert out.count("FAIL") == 10
     assert "a mean of 1e8" in out
+
+
+# ------------------------------------------------------------- the fused residual add
+
+
+def add_layer_norm(x, residual, weight, bias, eps, residual_dtype):
+    h_dtype = residual.dtype if residual_dtype is None else np.dtype(residual_dtype)
+    h = (residual.astype(h_dtype) + x.astype(h_dtype)).astype(h_dtype)
+    return lnlib.layer_norm(h, weight, bias, eps=eps).astype(x.dtype), h
+
+
+def add_layer_norm_normalizes_x(x, residual, weight, bias, eps, residual_dtype):
+    y, h = add_layer_norm(x, residual, weight, bias, eps, residual_dtype)
+    return lnlib.layer_norm(x.astype(h.dtype), weight, bias, eps=eps).astype(x.dtype), h
+
+
+def add_layer_norm_h_in_x_dtype(x, residual, weight, bias, eps, residual_dtype):
+    # rounds the stream to the dtype of x, then widens it again: loses float32's bits
+    h_dtype = residual.dtype if residual_dtype is None else np.dtype(residual_dtype)
+    h = (residual + x).astype(x.dtype).astype(h_dtype)
+    return lnlib.layer_norm(h, weight, bias, eps=eps).astype(x.dtype), h
+
+
+def add_layer_norm_two_pass_stats_of_unrounded(x, residual, weight, bias, eps, residual_dtype):
+    # the statistics of the sum in float64, not of h as stored
+    h_dtype = residual.dtype if residual_dtype is None else np.dtype(residual_dtype)
+    s = residual.astype(np.float64) + x.astype(np.float64)
+    y = lnlib.layer_norm(s, None if weight is None else weight.astype(np.float64),
+                         None if bias is None else bias.astype(np.float64), eps=eps)
+    return y.astype(x.dtype), s.astype(h_dtype)
+
+
+def add_backward(dy, dh, h, mean, rstd, weight):
+    dx = lnlib.layer_norm_backward(dy, h, mean, rstd, weight)[0]
+    return dx if dh is None else dh + dx
+
+
+def add_backward_forgets_dh(dy, dh, h, mean, rstd, weight):
+    return lnlib.layer_norm_backward(dy, h, mean, rstd, weight)[0]
+
+
+def add_backward_dh_only(dy, dh, h, mean, rstd, weight):
+    return np.zeros_like(h) if dh is None else dh.copy()
+
+
+def fused_bytes(B, D, x_itemsize, h_itemsize, fused, backward=False):
+    n = B * D
+    fwd = n * (2 * x_itemsize + (2 if fused else 3) * h_itemsize)
+    bwd = n * (x_itemsize + (3 if fused else 5) * h_itemsize)
+    return fwd + bwd if backward else fwd
+
+
+def fused_bytes_all_in_x_dtype(B, D, x_itemsize, h_itemsize, fused, backward=False):
+    return fused_bytes(B, D, x_itemsize, x_itemsize, fused, backward)
+
+
+def fused_bytes_backward_unchanged(B, D, x_itemsize, h_itemsize, fused, backward=False):
+    # counts the fused forward's saving but forgets that the backward's add is fused too
+    n = B * D
+    fwd = n * (2 * x_itemsize + (2 if fused else 3) * h_itemsize)
+    return fwd + n * (x_itemsize + 5 * h_itemsize) if backward else fwd
+
+
+def test_fused_add_solutions_pass(capsys):
+    assert ch05.check_add_layer_norm(add_layer_norm)
+    assert ch05.check_add_backward(add_backward)
+    assert ch05.check_fused_bytes(fused_bytes)
+    assert capsys.readouterr().out.count("PASS") == 3
+
+
+def test_fused_add_mistakes_are_caught(capsys):
+    assert not ch05.check_add_layer_norm(add_layer_norm_normalizes_x)
+    assert not ch05.check_add_layer_norm(add_layer_norm_h_in_x_dtype)
+    assert not ch05.check_add_layer_norm(add_layer_norm_two_pass_stats_of_unrounded)
+    assert not ch05.check_add_backward(add_backward_forgets_dh)
+    assert not ch05.check_add_backward(add_backward_dh_only)
+    assert not ch05.check_fused_bytes(fused_bytes_all_in_x_dtype)
+    assert not ch05.check_fused_bytes(fused_bytes_backward_unchanged)
+    out = capsys.readouterr().out
+    assert out.count("FAIL") == 7
+    assert "residual float32" in out
+
+
+def test_fused_add_checker_agrees_with_the_library_when_present():
+    if not hasattr(lnlib, "add_layer_norm"):
+        pytest.skip("lnlib.add_layer_norm is not in this tree yet (issue 24)")
+
+    def via_library(x, residual, weight, bias, eps, residual_dtype):
+        return lnlib.add_layer_norm(x, residual, weight, bias, eps=eps,
+                                    residual_dtype=residual_dtype)
+
+    def backward_via_library(dy, dh, h, mean, rstd, weight):
+        return lnlib.add_layer_norm_backward(dy, dh, h, mean, rstd, weight)[0]
+
+    assert ch05.check_add_layer_norm(via_library)
+    assert ch05.check_add_backward(backward_via_library)
