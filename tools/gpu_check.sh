@@ -87,7 +87,7 @@ fi
 if has_py pytest && has_py hypothesis; then
     per_test=()
     has_py pytest_timeout && per_test=(-p pytest_timeout --timeout 90)
-    gpu_tests=(tests/test_gpu.py tests/test_gpu_rows.py tests/test_layer_norm.py tests/test_rms_norm.py
+    gpu_tests=(tests/test_gpu.py tests/test_gpu_rows.py tests/test_gpu_add_norm.py tests/test_layer_norm.py tests/test_rms_norm.py
         tests/test_ada_norm.py)
     has_py torch && gpu_tests+=(tests/test_torch_bridge_gpu.py)
     step "GPU tests and the CuPy variants (LNLIB_REQUIRE_GPU=1, -m gpu)" 170 tests.log \
