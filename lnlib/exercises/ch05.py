@@ -326,10 +326,20 @@ def check_add_layer_norm(fn: Callable[..., Any]) -> CheckResult:
     for desc, shape, xd, rd, hd in [
         ("(4, 64) float32, residual float32", (4, 64), np.float32, np.float32, None),
         ("(3, 100) float64", (3, 100), np.float64, np.float64, None),
-        ("(2, 32): x float16, residual float32 (the stream in float32)", (2, 32),
-         np.float16, np.float32, None),
-        ("(2, 48): x and residual float16, residual_dtype=float32", (2, 48),
-         np.float16, np.float16, np.float32),
+        (
+            "(2, 32): x float16, residual float32 (the stream in float32)",
+            (2, 32),
+            np.float16,
+            np.float32,
+            None,
+        ),
+        (
+            "(2, 48): x and residual float16, residual_dtype=float32",
+            (2, 48),
+            np.float16,
+            np.float16,
+            np.float32,
+        ),
         ("(5, 1): one value per row (y = bias)", (5, 1), np.float32, np.float32, None),
     ]:
         pd = np.float64 if xd == np.float64 else np.float32

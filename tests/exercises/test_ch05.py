@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 import lnlib
-
 from lnlib.exercises import ch05
 
 
@@ -235,8 +234,12 @@ def add_layer_norm_two_pass_stats_of_unrounded(x, residual, weight, bias, eps, r
     # the statistics of the sum in float64, not of h as stored
     h_dtype = residual.dtype if residual_dtype is None else np.dtype(residual_dtype)
     s = residual.astype(np.float64) + x.astype(np.float64)
-    y = lnlib.layer_norm(s, None if weight is None else weight.astype(np.float64),
-                         None if bias is None else bias.astype(np.float64), eps=eps)
+    y = lnlib.layer_norm(
+        s,
+        None if weight is None else weight.astype(np.float64),
+        None if bias is None else bias.astype(np.float64),
+        eps=eps,
+    )
     return y.astype(x.dtype), s.astype(h_dtype)
 
 
@@ -296,8 +299,9 @@ def test_fused_add_checker_agrees_with_the_library_when_present():
         pytest.skip("lnlib.add_layer_norm is not in this tree yet (issue 24)")
 
     def via_library(x, residual, weight, bias, eps, residual_dtype):
-        return lnlib.add_layer_norm(x, residual, weight, bias, eps=eps,
-                                    residual_dtype=residual_dtype)
+        return lnlib.add_layer_norm(
+            x, residual, weight, bias, eps=eps, residual_dtype=residual_dtype
+        )
 
     def backward_via_library(dy, dh, h, mean, rstd, weight):
         return lnlib.add_layer_norm_backward(dy, dh, h, mean, rstd, weight)[0]
