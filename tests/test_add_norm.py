@@ -199,3 +199,54 @@ def test_bad_inputs_are_named_before_anything_is_written():
         lnlib.add_rms_norm_backward(x, None, h.astype(np.int32), rstd)
     with pytest.raises(ValueError, match="normalized_ndim must be h.ndim - mean.ndim = 1"):
         lnlib.add_layer_norm_backward(x, None, h, mean, rstd, normalized_ndim=2)
+
+
+@pytest.mark.parametrize(
+    "xd,rd",
+    [
+        ("float32", "float32"),
+        ("float64", "float64"),
+        ("float16", "float16"),
+        ("float16", "float32"),
+    ],
+)
+@pytest.mark.parametrize("shape", [(2200, 1024), (130, 70000), (257, 33)])
+def test_kernel_one_pass_is_bitwise_the_unfused_kernel(xd, rd, shape):
+    """The C pass (norms.c, "fused residual add"): blocks, threads and streamed outputs
+    (2200 x 1024 float64 writes 18 MiB) give bitwise the unfused kernel's results of h."""
+    from conftest import _skip_without_kernel
+
+    _skip_without_kernel()
+    rng = np.random.default_rng(5)
+    x, r = _data(rng, shape, xd, rd)
+    n = shape[1]
+    w = rng.standard_normal(n).astype(np.result_type(rd, np.float32))
+    b = rng.standard_normal(n).astype(w.dtype)
+    with lnlib.use_implementation("kernel"):
+        for fwd, bwd, nf, nb, ps in (
+            (
+                lnlib.add_layer_norm_forward,
+                lnlib.add_layer_norm_backward,
+                lnlib.layer_norm_forward,
+                lnlib.layer_norm_backward,
+                (w, b),
+            ),
+            (
+                lnlib.add_rms_norm_forward,
+                lnlib.add_rms_norm_backward,
+                lnlib.rms_norm_forward,
+                lnlib.rms_norm_backward,
+                (w,),
+            ),
+        ):
+            y, h, *stats = fwd(x, r, *ps)
+            assert np.array_equal(h, _h(x, r, np.dtype(rd)))
+            ref = nf(h, *ps)
+            assert np.array_equal(y, ref[0].astype(x.dtype))
+            assert all(np.array_equal(s, t) for s, t in zip(stats, ref[1:]))
+            dy = rng.standard_normal(shape).astype(xd)
+            dh = rng.standard_normal(shape).astype(rd)
+            dsum, *grads = bwd(dy, dh, h, *stats, w)
+            dx, *rgrads = nb(dy, h, *stats, w)
+            assert np.array_equal(dsum, (dx + dh).astype(h.dtype))
+            assert all(np.array_equal(g, t) for g, t in zip(grads, rgrads))
