@@ -441,7 +441,48 @@ def fused_contenders(shape, dtype, eps=1e-5, op="add_layer_norm"):
         "fused_fwdbwd": fused_fwdbwd,
         "unfused_fwdbwd": unfused_fwdbwd,
         "torch_fwdbwd": torch_fwdbwd,
+        **_fused_out_contenders(x, residual, params, dy, dh, eps, rms),
         **copies_of(x),
+    }
+
+
+def _fused_out_contenders(x, residual, params, dy, dh, eps, rms):
+    """The fused and unfused contenders of :func:`fused_contenders` with ``out=``: every output
+    written into arrays reused from one call to the next, so that the ratio compares the
+    memory passes alone, without allocating and first touching new pages."""
+    fwd = lnlib.add_rms_norm_forward if rms else lnlib.add_layer_norm_forward
+    bwd = lnlib.add_rms_norm_backward if rms else lnlib.add_layer_norm_backward
+    norm_fwd = lnlib.rms_norm_forward if rms else lnlib.layer_norm_forward
+    norm_bwd = lnlib.rms_norm_backward if rms else lnlib.layer_norm_backward
+    weight = params[0]
+
+    first = fwd(x, residual, *params, eps=eps)
+    fwd_out = tuple(np.empty_like(a) for a in first)  # y, h (M, D), mean and rstd (M,)
+    stats_out = fwd_out[2:]
+    norm_out = (fwd_out[0], *stats_out)
+    bwd_out = tuple(np.empty_like(a) for a in bwd(dy, dh, first[1], *first[2:], weight))
+
+    def fused_fwd_out():
+        return fwd(x, residual, *params, eps=eps, out=fwd_out)[:2]
+
+    def fused_fwdbwd_out():
+        _, h, *stats = fused_fwd_out() + fwd_out[2:]
+        return bwd(dy, dh, h, *stats, weight, out=bwd_out)
+
+    def unfused_fwd_out():
+        h = np.add(residual, x, out=fwd_out[1])
+        return (norm_fwd(h, *params, eps=eps, out=norm_out)[0], h)
+
+    def unfused_fwdbwd_out():
+        h = unfused_fwd_out()[1]
+        dx, *grads = norm_bwd(dy, h, *stats_out, weight, out=bwd_out)
+        return (np.add(dx, dh, out=dx), *grads)
+
+    return {
+        "fused_fwd_out": fused_fwd_out,
+        "unfused_fwd_out": unfused_fwd_out,
+        "fused_fwdbwd_out": fused_fwdbwd_out,
+        "unfused_fwdbwd_out": unfused_fwdbwd_out,
     }
 
 
@@ -452,6 +493,10 @@ def check_fused(tasks, shape, dtype):
     ds, ds_u = tasks["fused_fwdbwd"]()[0], tasks["unfused_fwdbwd"]()[0]
     if not (np.array_equal(y, yu) and np.array_equal(h, hu) and np.array_equal(ds, ds_u)):
         raise AssertionError(f"fused and unfused lnlib differ on {shape} {np.dtype(dtype).name}")
+    for kind, want in (("fwd", y), ("fwdbwd", ds)):
+        for who in ("fused", "unfused"):
+            if not np.array_equal(tasks[f"{who}_{kind}_out"]()[0], want):
+                raise AssertionError(f"{who}_{kind}_out differs from the same call without out=")
     y_t, ds_t = tasks["torch_fwd"]()[0].numpy(), tasks["torch_fwdbwd"]()[0].numpy()
     tol = 1e-2 if np.dtype(dtype).itemsize <= 2 else 1e-3
     err_fwd = float(np.max(np.abs(y.astype(np.float64) - y_t)))
@@ -481,7 +526,11 @@ def bench_fused_shape(shape, dtype, repeats, eps=1e-5, op="add_layer_norm"):
             streams = FUSED_STREAMS[f"{who}_{kind}"]
             row[f"{who}_{kind}_bytes"] = streams * shape[0] * shape[1] * itemsize
             row[f"{who}_{kind}_bound_fraction"] = streams / 2 * copy_x / med[f"{who}_{kind}"]
+            row[f"{who}_{kind}_out_bound_fraction"] = (
+                streams / 2 * copy_x / med[f"{who}_{kind}_out"]
+            )
         row[f"{kind}_vs_unfused"] = med[f"unfused_{kind}"] / med[f"fused_{kind}"]
+        row[f"{kind}_out_vs_unfused"] = med[f"unfused_{kind}_out"] / med[f"fused_{kind}_out"]
         row[f"{kind}_vs_torch"] = med[f"torch_{kind}"] / med[f"fused_{kind}"]
     return row
 
@@ -490,7 +539,8 @@ def format_fused(rows):
     """The fused residual add's results as a plain-text table."""
     head = (
         f"{'op':>14} {'shape':>10} {'dtype':>7} | {'pass':>7} {'fused ms':>8} {'unfused':>8} "
-        f"{'torch ms':>8} | {'vs unf.':>7} {'vs torch':>8} | {'of bound':>8}"
+        f"{'torch ms':>8} | {'vs unf.':>7} {'vs torch':>8} | {'of bound':>8} | "
+        f"{'out= ms':>8} {'unfused':>8} {'vs unf.':>7} {'of bound':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -500,12 +550,15 @@ def format_fused(rows):
                 f"{tag} {r['dtype']:>7} | {label:>7} {r[f'fused_{kind}_s'] * 1e3:8.2f} "
                 f"{r[f'unfused_{kind}_s'] * 1e3:8.2f} {r[f'torch_{kind}_s'] * 1e3:8.2f} | "
                 f"{r[f'{kind}_vs_unfused']:6.2f}x {r[f'{kind}_vs_torch']:7.2f}x | "
-                f"{r[f'fused_{kind}_bound_fraction']:8.0%}"
+                f"{r[f'fused_{kind}_bound_fraction']:8.0%} | "
+                f"{r[f'fused_{kind}_out_s'] * 1e3:8.2f} {r[f'unfused_{kind}_out_s'] * 1e3:8.2f} "
+                f"{r[f'{kind}_out_vs_unfused']:6.2f}x {r[f'fused_{kind}_out_bound_fraction']:8.0%}"
             )
     lines.append(
         "vs unf. = lnlib's add then norm / fused; vs torch = torch's residual + x then the norm "
         "/ fused (all return new arrays); of bound = the best copy of x, timed beside it, times "
-        "half the arrays moved (4 fwd, 8 fwd+bwd), / the fused time"
+        "half the arrays moved (4 fwd, 8 fwd+bwd), / the fused time; out= columns: the same "
+        "calls writing into arrays reused from call to call"
     )
     return "\n".join(lines)
 

@@ -159,11 +159,14 @@ def test_fused_ops_are_checked_timed_and_reported(tmp_path, capsys):
     rows = json.loads(out.read_text())["fused"]
     assert result["results"] == [] and len(rows) == 8
     for r in rows:
-        for who in ("fused", "unfused", "torch"):
+        for who in ("fused", "unfused", "torch", "fused_out", "unfused_out"):
             for kind in ("fwd", "fwdbwd"):
-                assert len(r[f"{who}_{kind}_all_s"]) == 3 and r[f"{who}_{kind}_s"] > 0
+                name = who.replace("_out", f"_{kind}_out") if "out" in who else f"{who}_{kind}"
+                assert len(r[f"{name}_all_s"]) == 3 and r[f"{name}_s"] > 0
         for kind in ("fwd", "fwdbwd"):
             assert r[f"{kind}_vs_unfused"] == r[f"unfused_{kind}_s"] / r[f"fused_{kind}_s"]
+            want = r[f"unfused_{kind}_out_s"] / r[f"fused_{kind}_out_s"]
+            assert r[f"{kind}_out_vs_unfused"] == want
         m, d = r["shape"]
         size = m * d * np.dtype(r["dtype"]).itemsize
         assert (r["fused_fwd_bytes"], r["fused_fwdbwd_bytes"]) == (4 * size, 8 * size)
@@ -176,3 +179,12 @@ def test_rotated_order_puts_each_task_first_in_turn():
     tasks = {k: (lambda k=k: seen.append(k)) for k in "abc"}
     bench._median_times(tasks, 3, warmup=0, rotate=True)
     assert seen == list("abcbcacab")
+
+
+def test_check_fused_catches_a_wrong_out_result():
+    tasks = bench.fused_contenders((8, 16), np.float32)
+    bench.check_fused(tasks, (8, 16), np.float32)
+    good = tasks["unfused_fwd_out"]
+    tasks["unfused_fwd_out"] = lambda: (good()[0] + 1, None)
+    with pytest.raises(AssertionError, match="unfused_fwd_out"):
+        bench.check_fused(tasks, (8, 16), np.float32)
