@@ -33,7 +33,8 @@ nothing but moving its data.
 
 ``--ops add_layer_norm,add_rms_norm`` times the residual add fused with the norm
 (:mod:`lnlib.add_norm`) against lnlib's add then norm and torch's ``residual + x`` then the
-norm, forward and forward+backward, each against the bytes it must move.
+norm, forward and forward+backward, each against the bytes it must move; lnlib's fused and
+unfused calls also with ``out=`` (into reused arrays), which leaves out the cost of new pages.
 
 ``--steps`` times the successive optimisations of the forward (the chapter's plot): the
 readable reference; the fused version with preallocated scratch and ``out=`` arguments over
