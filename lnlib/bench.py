@@ -91,25 +91,33 @@ PAUSE_S = 0.0
 
 def _median_times(tasks, repeats, warmup=1, pause=None, rotate=False):
     """Run each task once per repeat, in turn, after ``pause`` seconds idle (default
-    :data:`PAUSE_S`); return {name: [seconds, ...]}. With ``rotate`` repeat ``i`` starts at
-    task ``i`` (modulo their number), so that each task follows each other one as often: none
-    is always the one timed while the previous call's threads (torch's spinning workers) are
-    still busy."""
+    :data:`PAUSE_S`); return {name: [seconds, ...]}. With ``rotate`` the order changes from
+    repeat to repeat (:func:`_orders`), so that no task is always timed right after the same
+    other one (after torch's calls, whose spinning workers still hold a core)."""
     pause = PAUSE_S if pause is None else pause
     for _ in range(warmup):
         for fn in tasks.values():
             fn()
     times = {name: [] for name in tasks}
-    order = list(tasks.items())
-    for i in range(repeats):
-        k = i % len(order) if rotate else 0
-        for name, fn in order[k:] + order[:k]:
+    items = list(tasks.items())
+    for order in _orders(len(items), repeats, rotate):
+        for name, fn in (items[j] for j in order):
             if pause > 0:
                 time.sleep(pause)
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
     return times
+
+
+def _orders(n, repeats, rotate):
+    """The order of the ``n`` tasks in each repeat: always ``0, 1, ..., n - 1``, or with
+    ``rotate`` a different permutation in each repeat, drawn from a generator seeded with the
+    repeat's index (the same orders in every run). A rotation of one order would keep each
+    task's predecessor; random orders give each task varying predecessors."""
+    if not rotate:
+        return [list(range(n)) for _ in range(repeats)]
+    return [[int(j) for j in np.random.default_rng(i).permutation(n)] for i in range(repeats)]
 
 
 def copy_bandwidth(n_bytes, repeats, threads=None):

@@ -174,11 +174,18 @@ def test_fused_ops_are_checked_timed_and_reported(tmp_path, capsys):
     assert "vs unf." in capsys.readouterr().out
 
 
-def test_rotated_order_puts_each_task_first_in_turn():
+def test_rotated_orders_vary_each_tasks_predecessor():
     seen = []
-    tasks = {k: (lambda k=k: seen.append(k)) for k in "abc"}
-    bench._median_times(tasks, 3, warmup=0, rotate=True)
-    assert seen == list("abcbcacab")
+    tasks = {k: (lambda k=k: seen.append(k)) for k in "abcdefghij"}
+    times = bench._median_times(tasks, 11, warmup=0, rotate=True)
+    assert all(len(v) == 11 for v in times.values())
+    repeats = ["".join(seen[i : i + 10]) for i in range(0, len(seen), 10)]
+    assert all(sorted(r) == list("abcdefghij") for r in repeats)  # each task once per repeat
+    for task in "abcdefghij":  # a task is not always timed after the same one
+        before = {r[r.index(task) - 1] for r in repeats if r.index(task)}
+        assert len(before) >= 3, (task, before)
+    assert bench._orders(10, 11, True) == bench._orders(10, 11, True)  # the same every run
+    assert bench._orders(3, 2, False) == [[0, 1, 2], [0, 1, 2]]
 
 
 def test_check_fused_catches_a_wrong_out_result():
