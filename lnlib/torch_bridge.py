@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 
 import numpy as np
 import torch
@@ -80,17 +81,11 @@ def _to_tensor(a, dtype=None, layout=None):
     return t if layout is None else t.contiguous(memory_format=layout)
 
 
-def _on_device_of_first(method):
-    """Decorator: run ``forward(ctx, x, ...)`` or ``backward(ctx, dy, ...)`` where lnlib works
-    on its first tensor: for a CUDA tensor, CuPy on torch's current stream, so lnlib's kernels
-    queue behind the work torch has queued (and torch's next kernels behind them)."""
-
-    @functools.wraps(method)
-    def wrapper(ctx, t, *args):
-        with _cuda_dlpack(t).torch_stream(t) if t.is_cuda else contextlib.nullcontext():
-            return method(ctx, t, *args)
-
-    return wrapper
+def _stream_of(t):
+    """Where lnlib works on the tensor ``t``: for a CUDA tensor, CuPy on torch's current stream,
+    so lnlib's kernels queue behind the work torch has queued (and torch's next kernels behind
+    them)."""
+    return _cuda_dlpack(t).torch_stream(t) if t.is_cuda else contextlib.nullcontext()
 
 
 def first_order_only(backward):
@@ -117,15 +112,14 @@ def first_order_only(backward):
     return wrapper
 
 
-def _finish(ctx, inputs, outputs, stats, saved, backward, layout=None):
-    """The one pattern's end of a forward: save for ``backward``; return the outputs, then the
-    statistics.
+def _finish(ctx, outputs, stats, saved, backward, layout=None):
+    """The end of every forward: save for ``backward``; return the outputs, then the statistics.
 
-    ``inputs`` are the leading arguments of ``apply``, which ``backward`` returns the gradients
-    of, in that order (None for one that has none). ``outputs`` are ``(array, dtype)`` pairs of
-    the differentiable results, ``stats`` lnlib's statistics (returned, not differentiable),
-    ``saved`` the input tensors ``backward`` reads: ``backward(*doutputs, *saved, *outputs[1:],
-    *stats)`` takes and returns arrays. ``layout``: the memory format of ``y`` and ``dx``.
+    ``outputs`` are ``(array, dtype)`` pairs of the differentiable results, ``stats`` lnlib's
+    statistics (returned, not differentiable), ``saved`` the input tensors ``backward`` reads:
+    ``backward(*doutputs, *saved, *outputs[1:], *stats)`` takes arrays and returns the
+    gradients of the inputs of ``apply`` in their order (None for one that has none).
+    ``layout``: the memory format of ``y`` and ``dx``.
     """
     stats = [_to_tensor(s) for s in stats]
     layouts = [layout] + [None] * (len(outputs) - 1)
@@ -133,12 +127,10 @@ def _finish(ctx, inputs, outputs, stats, saved, backward, layout=None):
     ctx.save_for_backward(*saved, *results[1:], *stats)
     ctx.mark_non_differentiable(*stats)
     ctx.lnlib_backward, ctx.layout, ctx.n_outputs = backward, layout, len(outputs)
-    ctx.dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in inputs]
     return (*results, *stats) if stats or len(results) > 1 else results[0]
 
 
 @first_order_only
-@_on_device_of_first
 def _backward(ctx, dy, *grads):
     r"""Run the lnlib backward the forward named; return the gradients torch asks for.
 
@@ -165,11 +157,12 @@ def _backward(ctx, dy, *grads):
         Called with grad mode on (``create_graph=True``): there is no double backward.
     """
     douts = (dy, *grads[: ctx.n_outputs - 1])
-    results = ctx.lnlib_backward(*(_to_array(t) for t in (*douts, *ctx.saved_tensors)))
-    grads = [None] * len(ctx.needs_input_grad)
-    for i, (g, dtype) in enumerate(zip(results, ctx.dtypes)):
-        if ctx.needs_input_grad[i]:
-            grads[i] = _to_tensor(g, dtype, ctx.layout if i == 0 else None)
+    with _stream_of(dy):
+        results = ctx.lnlib_backward(*(_to_array(t) for t in (*douts, *ctx.saved_tensors)))
+        grads = [None] * len(ctx.needs_input_grad)
+        for i, (g, dtype) in enumerate(zip(results, ctx.dtypes)):
+            if ctx.needs_input_grad[i]:
+                grads[i] = _to_tensor(g, dtype, ctx.layout if i == 0 else None)
     return tuple(grads)
 
 
@@ -189,6 +182,31 @@ _FORWARD = r"""Run :func:`lnlib.{0}` on the tensors' memory; save what the backw
         """
 
 
+def _function(lnlib_forward, results):
+    """Class decorator, the one pattern of every Function here: its ``forward(ctx, x, ...)``
+    runs where lnlib works on ``x`` and returns through :func:`_finish`; the tensors among the
+    inputs of ``apply`` are those torch may ask gradients of (each in its dtype), and the one
+    :func:`_backward` gives them. ``lnlib_forward`` and ``results`` name, in the docstring of
+    ``forward``, the lnlib function it runs and what it returns."""
+
+    def make(cls):
+        forward = cls.forward
+
+        @functools.wraps(forward)
+        def run(ctx, x, *args):
+            ctx.dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in (x, *args)]
+            with _stream_of(x):
+                return forward(ctx, x, *args)
+
+        inputs = ", ".join(map(str, list(inspect.signature(forward).parameters.values())[1:]))
+        run.__doc__ = _FORWARD.format(lnlib_forward, inputs, results)
+        cls.forward, cls.backward = staticmethod(run), staticmethod(_backward)
+        return cls
+
+    return make
+
+
+@_function("layer_norm_forward", "y, mean, rstd")
 class LayerNormFunction(torch.autograd.Function):
     r"""The autograd function of :func:`layer_norm`, its forward and backward lnlib's.
 
@@ -200,13 +218,6 @@ class LayerNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    @doc(
-        _FORWARD,
-        "layer_norm_forward",
-        "x, weight, bias, normalized_ndim, eps, *weight_offset",
-        "y, mean, rstd",
-    )
-    @_on_device_of_first
     def forward(ctx, x, weight, bias, normalized_ndim, eps, *weight_offset):
         offset, arrays = sum(weight_offset), map(_to_array, (x, weight, bias))
         y, *stats = lnlib.layer_norm_forward(
@@ -216,11 +227,10 @@ class LayerNormFunction(torch.autograd.Function):
         def backward(dy, x, weight, mean, rstd):
             return lnlib.layer_norm_backward(dy, x, mean, rstd, weight, weight_offset=offset)
 
-        return _finish(ctx, (x, weight, bias), [(y, x.dtype)], stats, (x, weight), backward)
-
-    backward = staticmethod(_backward)
+        return _finish(ctx, [(y, x.dtype)], stats, (x, weight), backward)
 
 
+@_function("rms_norm_forward", "y, rstd")
 class RMSNormFunction(torch.autograd.Function):
     r"""The autograd function of :func:`rms_norm`, its forward and backward lnlib's.
 
@@ -231,8 +241,6 @@ class RMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    @doc(_FORWARD, "rms_norm_forward", "x, weight, normalized_ndim, eps, *weight_offset", "y, rstd")
-    @_on_device_of_first
     def forward(ctx, x, weight, normalized_ndim, eps, *weight_offset):
         offset, arrays = sum(weight_offset), map(_to_array, (x, weight))
         y, rstd = lnlib.rms_norm_forward(
@@ -242,9 +250,7 @@ class RMSNormFunction(torch.autograd.Function):
         def backward(dy, x, weight, rstd):
             return lnlib.rms_norm_backward(dy, x, rstd, weight, weight_offset=offset)
 
-        return _finish(ctx, (x, weight), [(y, x.dtype)], (rstd,), (x, weight), backward)
-
-    backward = staticmethod(_backward)
+        return _finish(ctx, [(y, x.dtype)], (rstd,), (x, weight), backward)
 
 
 def _memory_format(x):
@@ -259,6 +265,7 @@ def _memory_format(x):
     return torch.contiguous_format
 
 
+@_function("group_norm_forward", "y, mean, rstd")
 class GroupNormFunction(torch.autograd.Function):
     r"""The autograd function of :func:`group_norm`, its forward and backward lnlib's.
 
@@ -271,8 +278,6 @@ class GroupNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    @doc(_FORWARD, "group_norm_forward", "x, num_groups, weight, bias, eps", "y, mean, rstd")
-    @_on_device_of_first
     def forward(ctx, x, num_groups, weight, bias, eps):
         arrays = (_to_array(x), num_groups, _to_array(weight), _to_array(bias))
         y, *stats = lnlib.group_norm_forward(*arrays, eps=eps)
@@ -281,12 +286,10 @@ class GroupNormFunction(torch.autograd.Function):
             dx, dweight, dbias = lnlib.group_norm_backward(dy, x, mean, rstd, num_groups, weight)
             return dx, None, dweight, dbias
 
-        inputs, layout = (x, num_groups, weight, bias), _memory_format(x)
-        return _finish(ctx, inputs, [(y, x.dtype)], stats, (x, weight), backward, layout)
-
-    backward = staticmethod(_backward)
+        return _finish(ctx, [(y, x.dtype)], stats, (x, weight), backward, _memory_format(x))
 
 
+@_function("dynamic_tanh", "y")
 class DynamicTanhFunction(torch.autograd.Function):
     r"""The autograd function of :func:`dynamic_tanh`, its forward and backward lnlib's.
 
@@ -299,8 +302,6 @@ class DynamicTanhFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    @doc(_FORWARD, "dynamic_tanh", "x, alpha, weight, bias", "y")
-    @_on_device_of_first
     def forward(ctx, x, alpha, weight, bias):
         constant = None if isinstance(alpha, torch.Tensor) else alpha
         a = _to_array(alpha) if constant is None else constant
@@ -310,9 +311,7 @@ class DynamicTanhFunction(torch.autograd.Function):
             return lnlib.dynamic_tanh_backward(dy, x, alpha, weight)
 
         saved = (x, weight) if constant is not None else (x, weight, alpha)
-        return _finish(ctx, (x, alpha, weight, bias), [(y, x.dtype)], (), saved, backward)
-
-    backward = staticmethod(_backward)
+        return _finish(ctx, [(y, x.dtype)], (), saved, backward)
 
 
 def _check_tensor(name, t):
@@ -475,16 +474,15 @@ def _add_norm_forward(ctx, forward, backward, x, residual, params, ndim, eps, of
     arrays = map(_to_array, (x, residual, *params))
     kw = {"normalized_ndim": ndim, "weight_offset": offset}
     y, h, *stats = forward(*arrays, eps=eps, residual_dtype=_NUMPY.get(h_dtype, np.float32), **kw)
-    outputs = [(y, x.dtype), (h, h_dtype)]
 
     def fused_backward(dy, dh, weight, h, *stats):
         dsum, *dparams = backward(dy, dh, h, *stats, weight, **kw)
         return dsum, dsum, *dparams
 
-    inputs = (x, residual, *params)
-    return _finish(ctx, inputs, outputs, stats, (params[0],), fused_backward)
+    return _finish(ctx, [(y, x.dtype), (h, h_dtype)], stats, (params[0],), fused_backward)
 
 
+@_function("add_layer_norm_forward", "y, h, mean, rstd")
 class AddLayerNormFunction(torch.autograd.Function):
     r"""The autograd function of :func:`add_layer_norm`, its forward and backward lnlib's.
 
@@ -496,13 +494,6 @@ class AddLayerNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    @doc(
-        _FORWARD,
-        "add_layer_norm_forward",
-        "x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype",
-        "y, h, mean, rstd",
-    )
-    @_on_device_of_first
     def forward(
         ctx, x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype
     ):
@@ -510,9 +501,8 @@ class AddLayerNormFunction(torch.autograd.Function):
         args = normalized_ndim, eps, weight_offset, residual_dtype
         return _add_norm_forward(ctx, *fns, x, residual, (weight, bias), *args)
 
-    backward = staticmethod(_backward)
 
-
+@_function("add_rms_norm_forward", "y, h, rstd")
 class AddRMSNormFunction(torch.autograd.Function):
     r"""The autograd function of :func:`add_rms_norm`, its forward and backward lnlib's.
 
@@ -523,19 +513,10 @@ class AddRMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    @doc(
-        _FORWARD,
-        "add_rms_norm_forward",
-        "x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype",
-        "y, h, rstd",
-    )
-    @_on_device_of_first
     def forward(ctx, x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype):
         fns = lnlib.add_rms_norm_forward, lnlib.add_rms_norm_backward
         args = normalized_ndim, eps, weight_offset, residual_dtype
         return _add_norm_forward(ctx, *fns, x, residual, (weight,), *args)
-
-    backward = staticmethod(_backward)
 
 
 def _add_checks(x, residual, normalized_shape, residual_dtype):
