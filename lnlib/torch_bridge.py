@@ -35,7 +35,7 @@ from torch import nn
 
 import lnlib
 from lnlib import _validate
-from lnlib._docs import doc
+from lnlib._docs import doc, entries
 
 __all__ = ["layer_norm", "rms_norm", "group_norm", "dynamic_tanh"]
 __all__ += ["LayerNormFunction", "RMSNormFunction", "GroupNormFunction", "DynamicTanhFunction"]
@@ -321,17 +321,26 @@ def _check_tensor(name, t):
         raise TypeError(f"{name}: expected a floating tensor, got dtype {t.dtype}")
 
 
-def _trailing_shape(x, normalized_shape):
-    """Check that ``x`` ends with ``normalized_shape``; return it as a tuple."""
+def _trailing_shape(x, normalized_shape, *fused):
+    """Check that ``x`` ends with ``normalized_shape`` and, for the fused functions, the
+    ``residual`` and ``residual_dtype`` in ``fused``; return the normalized shape."""
     _check_tensor("x", x)
     shape = _validate.normalized_shape_value(normalized_shape)
     if x.ndim < len(shape) or tuple(x.shape[x.ndim - len(shape) :]) != shape:
         raise ValueError(
             f"x: expected trailing axes {shape} (normalized_shape), got shape {tuple(x.shape)}"
         )
+    if fused:
+        residual, dtype = fused
+        _check_tensor("residual", residual)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(
+                f"residual_dtype: expected None or a floating torch.dtype, got {dtype!r}"
+            )
     return shape
 
 
+@entries
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0):
     r"""LayerNorm of a tensor through lnlib, like ``torch.nn.functional.layer_norm``.
 
@@ -341,12 +350,10 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
     ----------
     x : torch.Tensor, shape ``(..., *normalized_shape)``, float16/bfloat16/float32/float64
         Input, on the CPU or a CUDA device.
-    normalized_shape : int or tuple of int
-        The trailing axes to normalize over.
+    {normalized_shape}
     weight, bias : torch.Tensor of shape ``normalized_shape`` or None
         Gain :math:`\gamma` and bias :math:`\beta`, on the device of ``x``.
-    eps : float, default 1e-5
-        Added to the variance inside the square root.
+    {eps}
     weight_offset : float, default 0.0
         Keyword only: the scale is ``weight_offset + weight`` (zero-centred gain with 1.0).
 
@@ -399,6 +406,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     return y
 
 
+@entries
 def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     r"""GroupNorm of a tensor through lnlib, like ``torch.nn.functional.group_norm``.
 
@@ -413,8 +421,7 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
         G, a divisor of C.
     weight, bias : torch.Tensor of shape (C,) or None
         Per-channel gain and bias, on the device of ``x``.
-    eps : float, default 1e-5
-        Added to the variance inside the square root.
+    {eps}
 
     Returns
     -------
@@ -519,19 +526,6 @@ class AddRMSNormFunction(torch.autograd.Function):
         return _add_norm_forward(ctx, *fns, x, residual, (weight,), *args)
 
 
-def _add_checks(x, residual, normalized_shape, residual_dtype):
-    """Check what the fused functions add to the unfused ones; return the normalized shape."""
-    shape = _trailing_shape(x, normalized_shape)
-    _check_tensor("residual", residual)
-    if residual_dtype is not None and not (
-        isinstance(residual_dtype, torch.dtype) and residual_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"residual_dtype: expected None or a floating torch.dtype, got {residual_dtype!r}"
-        )
-    return shape
-
-
 def add_layer_norm(
     x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0,
     residual_dtype=None,
@@ -565,7 +559,7 @@ def add_layer_norm(
         ``normalized_shape``, ``residual_dtype`` not a floating dtype; otherwise as
         :func:`lnlib.add_layer_norm_forward` (``residual`` not of the shape of ``x``, ...).
     """
-    shape = _add_checks(x, residual, normalized_shape, residual_dtype)
+    shape = _trailing_shape(x, normalized_shape, residual, residual_dtype)
     args = (len(shape), float(eps), float(weight_offset), residual_dtype)
     y, h, _, _ = AddLayerNormFunction.apply(x, residual, weight, bias, *args)
     return y, h
@@ -597,7 +591,7 @@ def add_rms_norm(
     TypeError, ValueError
         As for :func:`add_layer_norm`, with :func:`lnlib.add_rms_norm_forward`.
     """
-    shape = _add_checks(x, residual, normalized_shape, residual_dtype)
+    shape = _trailing_shape(x, normalized_shape, residual, residual_dtype)
     if eps is None:
         eps = torch.finfo(residual.dtype if residual_dtype is None else residual_dtype).eps
     args = (len(shape), float(eps), float(weight_offset), residual_dtype)
@@ -611,6 +605,11 @@ def _learn(module, shape, device, dtype, **fills):
     for name, fill in fills.items():
         value = None if fill is None else torch.full(shape, fill, device=device, dtype=dtype)
         module.register_parameter(name, None if value is None else nn.Parameter(value))
+
+
+def _affine(learned):
+    """The fills of a weight (ones) and a bias (zeros), learned or not."""
+    return {"weight": 1.0 if learned else None, "bias": 0.0 if learned else None}
 
 
 def _norm_setup(module, normalized_shape, eps, affine, weight_offset, device, dtype, bias=None):
@@ -642,23 +641,29 @@ def _reset_parameters(self):
         nn.init.zeros_(self.bias)
 
 
-_MODULE_FORWARD = r"""Compute the layer on ``x`` with :func:`{0}`.
+_MODULE_FORWARD = r"""Compute {0} with :func:`{1}`.
 
         Parameters
         ----------
-        x : torch.Tensor
-            Input, floating, on the device of the parameters (CPU or CUDA).
+        {2}
+            {3}
 
         Returns
         -------
-        torch.Tensor
-            Shape and dtype of ``x``; differentiable (once).
+        {4}
+            {5}; differentiable (once).
 
         Raises
         ------
         TypeError, ValueError
-            As for :func:`{0}`.
+            As for :func:`{1}`.
         """
+_ONE = ("the layer on ``x``", "x : torch.Tensor")
+_ONE += ("Input, floating, on the device of the parameters (CPU or CUDA).", "torch.Tensor")
+_ONE += ("Shape and dtype of ``x``",)
+_ADD = ("``h = residual + x`` and the layer on ``h``", "x, residual : torch.Tensor")
+_ADD += ("The sublayer's output and the residual stream, one shape, on the parameters' device.",)
+_ADD += ("y, h : torch.Tensor", "The normalized ``h`` (dtype of ``x``) and ``h`` itself")
 
 _EXTRA_REPR = r"""The constructor arguments shown by ``repr(module)``, as in {0}.
 
@@ -674,6 +679,7 @@ def _norm_repr(self):
     return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
+@entries
 class LayerNorm(nn.Module):
     r"""Drop-in for ``torch.nn.LayerNorm`` computed by lnlib.
 
@@ -685,10 +691,7 @@ class LayerNorm(nn.Module):
         As for ``torch.nn.LayerNorm``: the trailing axes to normalize over; the number added to
         the variance (1e-5); whether to learn ``weight`` and, if ``bias``, ``bias`` (zeros);
         the parameters' device and dtype.
-    weight_offset : float, default 0.0
-        Keyword only. The scale is ``weight_offset + weight``, and ``weight`` starts at
-        ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``), so the
-        layer starts as the identity on normalized input whatever the offset.
+    {scale_offset}
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -698,12 +701,13 @@ class LayerNorm(nn.Module):
 
     reset_parameters, extra_repr = _reset_parameters, _norm_repr
 
-    @doc(_MODULE_FORWARD, "layer_norm")
+    @doc(_MODULE_FORWARD, _ONE[0], "layer_norm", *_ONE[1:])
     def forward(self, x):
         w, b, shape = self.weight, self.bias, self.normalized_shape
         return layer_norm(x, shape, w, b, self.eps, weight_offset=self.weight_offset)
 
 
+@entries
 class RMSNorm(nn.Module):
     r"""Drop-in for ``torch.nn.RMSNorm`` computed by lnlib.
 
@@ -715,9 +719,7 @@ class RMSNorm(nn.Module):
         As for ``torch.nn.RMSNorm``: the trailing axes to normalize over; the number added to
         the mean square (None: ``torch.finfo(x.dtype).eps``); whether to learn ``weight``;
         the parameters' device and dtype.
-    weight_offset : float, default 0.0
-        Keyword only. The gain is ``weight_offset + weight``, and ``weight`` starts at
-        ``1 - weight_offset``: with 1.0 at zero, as in Gemma's RMSNorm.
+    {gain_offset}
     """
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
@@ -726,7 +728,7 @@ class RMSNorm(nn.Module):
 
     reset_parameters, extra_repr = _reset_parameters, _norm_repr
 
-    @doc(_MODULE_FORWARD, "rms_norm")
+    @doc(_MODULE_FORWARD, _ONE[0], "rms_norm", *_ONE[1:])
     def forward(self, x):
         shape, offset = self.normalized_shape, self.weight_offset
         return rms_norm(x, shape, self.weight, self.eps, weight_offset=offset)
@@ -755,10 +757,9 @@ class GroupNorm(nn.Module):
             )
         self.num_groups, self.num_channels, self.eps = num_groups, num_channels, eps
         self.affine = affine
-        weight, bias = (1.0, 0.0) if affine else (None, None)
-        _learn(self, (num_channels,), device, dtype, weight=weight, bias=bias)
+        _learn(self, (num_channels,), device, dtype, **_affine(affine))
 
-    @doc(_MODULE_FORWARD, "group_norm")
+    @doc(_MODULE_FORWARD, _ONE[0], "group_norm", *_ONE[1:])
     def forward(self, x):
         return group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
 
@@ -796,35 +797,15 @@ class DynamicTanh(nn.Module):
         self.normalized_shape = _validate.normalized_shape_value(normalized_shape)
         _learn(self, (), device, dtype, alpha=float(alpha_init_value))
         self.elementwise_affine = elementwise_affine
-        weight, bias = (1.0, 0.0) if elementwise_affine else (None, None)
-        _learn(self, self.normalized_shape, device, dtype, weight=weight, bias=bias)
+        _learn(self, self.normalized_shape, device, dtype, **_affine(elementwise_affine))
 
-    @doc(_MODULE_FORWARD, "dynamic_tanh")
+    @doc(_MODULE_FORWARD, _ONE[0], "dynamic_tanh", *_ONE[1:])
     def forward(self, x):
         return dynamic_tanh(x, self.alpha, self.weight, self.bias)
 
     @doc(_EXTRA_REPR, "DyT's reference code")
     def extra_repr(self):
         return f"{self.normalized_shape}, elementwise_affine={self.elementwise_affine}"
-
-
-_ADD_FORWARD = r"""Compute ``h = residual + x`` and the layer on ``h`` with :func:`{0}`.
-
-        Parameters
-        ----------
-        x, residual : torch.Tensor
-            The sublayer's output and the residual stream, one shape, on the parameters' device.
-
-        Returns
-        -------
-        y, h : torch.Tensor
-            The normalized ``h`` (dtype of ``x``) and ``h`` itself; differentiable (once).
-
-        Raises
-        ------
-        TypeError, ValueError
-            As for :func:`{0}`.
-        """
 
 
 class AddLayerNorm(LayerNorm):
@@ -846,7 +827,7 @@ class AddLayerNorm(LayerNorm):
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
 
-    @doc(_ADD_FORWARD, "add_layer_norm")
+    @doc(_MODULE_FORWARD, _ADD[0], "add_layer_norm", *_ADD[1:])
     def forward(self, x, residual):
         args = (self.normalized_shape, self.weight, self.bias, self.eps)
         kw = {"weight_offset": self.weight_offset, "residual_dtype": self.residual_dtype}
@@ -872,7 +853,7 @@ class AddRMSNorm(RMSNorm):
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
 
-    @doc(_ADD_FORWARD, "add_rms_norm")
+    @doc(_MODULE_FORWARD, _ADD[0], "add_rms_norm", *_ADD[1:])
     def forward(self, x, residual):
         args = (self.normalized_shape, self.weight, self.eps)
         kw = {"weight_offset": self.weight_offset, "residual_dtype": self.residual_dtype}
