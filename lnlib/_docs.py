@@ -29,6 +29,8 @@ ENTRIES = {
         ``1 - weight_offset``: with 1.0 at zero, as in Gemma's RMSNorm.""",
     "affine": """affine : bool, default True
         Whether to learn a per-channel ``weight`` (ones) and ``bias`` (zeros) of shape (C,).""",
+    "dtype": """dtype : dtype, default float32
+        Dtype of the parameters.""",
 }
 
 

@@ -150,8 +150,7 @@ class LayerNorm(_Norm):
     {eps}
     elementwise_affine, bias : bool, default True
         Whether to hold a weight :math:`\gamma` and, with it, a bias :math:`\beta` (zeros).
-    dtype : dtype, default float32
-        Dtype of the parameters.
+    {dtype}
     {scale_offset}
     """
 
@@ -207,6 +206,7 @@ class RMSNorm(_Norm):
         return self._keep(*rms_norm_backward(dy, *self._take(), self.weight, weight_offset=offset))
 
 
+@entries
 class AdaLN(_Layer):
     """Adaptive LayerNorm with its conditioning layer (adaLN-Zero by default), as in DiT.
 
@@ -231,8 +231,7 @@ class AdaLN(_Layer):
         N(0, 1/cond_dim) with ``rng``.
     rng : numpy.random.Generator, optional
         Random generator for the weight when ``zero_init`` is False.
-    dtype : dtype, default float32
-        Dtype of the parameters.
+    {dtype}
 
     Attributes
     ----------
@@ -316,6 +315,7 @@ class AdaLN(_Layer):
         return dx, dc
 
 
+@entries
 class BatchNorm(_Layer):
     """BatchNorm over (N, C, ...) with running statistics, for comparison with LayerNorm.
 
@@ -325,12 +325,10 @@ class BatchNorm(_Layer):
     ----------
     num_features : int
         Number of channels C.
-    eps : float, default 1e-5
-        Added to the variance inside the square root.
+    {eps}
     momentum : float, default 0.1
         Weight of the batch statistics in the running averages.
-    affine : bool, default True
-        Whether to hold a per-channel weight (ones) and bias (zeros).
+    {affine}
     dtype : dtype, default float32
         Dtype of the parameters and running statistics.
 
@@ -390,6 +388,7 @@ class BatchNorm(_Layer):
         return self._keep(*batch_norm_backward(dy, x, mean, rstd, self.weight, training=training))
 
 
+@entries
 class GroupNorm(_Layer):
     """GroupNorm over (N, C, ...) with a per-channel weight and bias, like ``torch.nn.GroupNorm``.
 
@@ -401,12 +400,9 @@ class GroupNorm(_Layer):
         G, a divisor of ``num_channels``.
     num_channels : int
         C.
-    eps : float, default 1e-5
-        Added to the variance inside the square root.
-    affine : bool, default True
-        Whether to hold a weight (ones) and a bias (zeros) of shape (C,).
-    dtype : dtype, default float32
-        Dtype of the parameters.
+    {eps}
+    {affine}
+    {dtype}
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
