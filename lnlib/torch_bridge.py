@@ -1,8 +1,9 @@
 r"""PyTorch bridge: lnlib's norms (and the fused residual add) inside a torch model.
 
-Every ``torch.autograd.Function`` here is one pattern: its forward runs an lnlib forward
-(:func:`lnlib.layer_norm_forward`, ...) and names the lnlib backward that gives the gradients of
-its inputs; one shared backward runs it and returns the gradients torch asks for. The fused
+Every ``torch.autograd.Function`` here is one pattern (the class decorator ``_function``): its
+forward runs an lnlib forward (:func:`lnlib.layer_norm_forward`, ...) and names the lnlib
+backward that gives the gradients of its tensor inputs; one shared backward runs it and returns
+the gradients torch asks for. The fused
 residual add (:func:`add_layer_norm`, :func:`add_rms_norm`) has two differentiable outputs,
 ``y`` and ``h``; the gradients of both go to its lnlib backward. Tensors cross without copies:
 a CPU tensor is viewed as a NumPy array (``Tensor.numpy()``, ``torch.from_numpy`` share
