@@ -35,6 +35,8 @@ ENTRIES = {
 
 
 def entries(obj):
-    """Decorator: fill the ``{name}`` fields of the docstring of ``obj`` from :data:`ENTRIES`."""
-    obj.__doc__ = obj.__doc__.format_map(ENTRIES)
+    """Decorator: fill the ``{name}`` fields of the docstring of ``obj`` from :data:`ENTRIES`
+    (none under ``python -OO``, which drops docstrings)."""
+    if obj.__doc__:
+        obj.__doc__ = obj.__doc__.format_map(ENTRIES)
     return obj
