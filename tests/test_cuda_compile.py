@@ -91,15 +91,26 @@ _TYPE = {"f": "float", "d": "double"}
 
 def demangle(sym):
     """``_Z14layer_norm_fwdIfLi32ELi1EEv...`` -> ``layer_norm_fwd<float, 32, 1>`` (the name
-    expression form); only the template patterns of these kernels are understood."""
+    expression form); only the template patterns of these kernels are understood: builtin
+    types, named types and substitutions of them (``S0_`` for the first named type that repeats,
+    as in ``add_layer_norm_fwd<__half, __half, float, 32, 1>``: ``I6__halfS0_f``)."""
     name, i = _read_name(sym, 2)
     assert sym[i] == "I", sym
     i += 1
-    if sym[i] in _TYPE:
-        args, i = [_TYPE[sym[i]]], i + 1
-    else:
-        t, i = _read_name(sym, i)
-        args = [t]
+    args, table = [], [name]  # the substitution table: the template's name, then named types
+    while True:
+        if sym[i] in _TYPE:
+            args.append(_TYPE[sym[i]])
+            i += 1
+        elif sym[i].isdigit():
+            t, i = _read_name(sym, i)
+            args.append(t)
+            table.append(t)
+        elif m := re.match(r"S(\d*)_", sym[i:]):
+            args.append(table[int(m.group(1)) + 1 if m.group(1) else 0])
+            i += m.end()
+        else:
+            break
     while m := re.match(r"Li(\d+)E", sym[i:]):
         args.append(m.group(1))
         i += m.end()
@@ -196,6 +207,24 @@ def test_launch_shapes_cover_every_row_length(op, dtype):
         assert (tiles == 1) or (r, maxv) == build.shapes(op, dtype)[-1]
 
 
+@pytest.mark.parametrize("op", build.ADD_OPS)
+def test_fused_kernels_lay_rows_out_as_the_norm_of_h(op):
+    """A fused op has, for every dtype combination and row length, the launch shape of the
+    unfused op on h's dtype (so the same reduction order: y bitwise the norm of h), and a
+    compiled kernel of that shape; the combinations include the float32 stream under float16."""
+    names = set(build.all_name_expressions())
+    plain = op.removeprefix("add_")
+    combos = build.FUSED[op[-3:]]
+    assert any(c[0] == "float16" and c[-1] == "float32" for c in combos)
+    for dtypes in combos:
+        assert build.fused(op, dtypes)
+        for d in (1, 7, 768, 1001, 4096, 16385, 65536):
+            shape = build.launch_shape(op, dtypes, d)
+            assert shape == build.launch_shape(plain, dtypes[-1], d), (op, dtypes, d)
+            assert build.kernel_name(op, dtypes, *shape[:2]) in names
+    assert not build.fused(op, ("float32",) * (len(combos[0]) - 1) + ("float64",))
+
+
 def test_launch_shapes_stated_in_the_book():
     """Chapter 5: a warp per float32 row up to 512 elements, 1024 threads up to 16384, tiles
     beyond; the backward stops at 512 threads per row; 16 float32 elements per thread."""
@@ -225,7 +254,8 @@ def _nvrtc_missing():
 @pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
 def test_cupy_nvrtc_compiles_every_module_by_name():
     """The run-time path itself, without a GPU: CuPy's option assembly and NVRTC, with the name
-    expressions of every (operation, dtype) module, for sm_90; every name resolves."""
+    expressions of every (operation, dtype) module, the fused ones included, for sm_90; every
+    name resolves."""
     from cupy._core import core
     from cupy.cuda import compiler
 
@@ -234,14 +264,13 @@ def test_cupy_nvrtc_compiles_every_module_by_name():
         + CUPY_ADDED
         + ("-arch=sm_90", "--device-as-default-execution-space")
     )
-    for op in build.OPS:
-        for dtype in build.TYPE_NAMES:
-            names = build.name_expressions(op, dtype)
-            program = compiler._NVRTCProgram(
-                build.source(), "norms.cu", name_expressions=names, method="cubin"
-            )
-            cubin, mapping = program.compile(options)
-            assert cubin and set(mapping) == set(names), f"{op} {dtype}: names not resolved"
+    for op, dtype in build.modules():
+        names = build.name_expressions(op, dtype)
+        program = compiler._NVRTCProgram(
+            build.source(), "norms.cu", name_expressions=names, method="cubin"
+        )
+        cubin, mapping = program.compile(options)
+        assert cubin and set(mapping) == set(names), f"{op} {dtype}: names not resolved"
 
 
 def resource_table(builds_by_arch):
