@@ -2,7 +2,8 @@
 
 The source is the header ``norms.cuh`` followed by ``norms.cu`` (pasted together here,
 so that CuPy's compile cache, keyed by the source text and the options, sees an edit of either
-file). Each (operation, dtype) pair is one ``cupy.RawModule`` with NVRTC name expressions for
+file). Each (operation, dtype) pair (a tuple of dtypes for the fused residual add,
+:data:`FUSED`) is one ``cupy.RawModule`` with NVRTC name expressions for
 every launch shape it may need, compiled once per process on first use and cached on disk by
 CuPy. ``import lnlib`` and this module import no CuPy; only :func:`module` does.
 

@@ -9,8 +9,13 @@
 // once. Longer rows are processed tile by tile and read a second time to write the result.
 //
 // Row arguments: x points at row 0, ldx is the distance between rows in elements. vec_ok says
-// that every row pointer is 16-byte aligned and d is a multiple of V: then chunks are moved as
-// vectors, otherwise element by element, with the same arithmetic either way.
+// that every row pointer is aligned to a vector (16 bytes of the layout's type; V elements of
+// any other type) and d is a multiple of V: then chunks are moved as vectors, otherwise
+// element by element, with the same arithmetic either way.
+//
+// The fused residual add (add_layer_norm_fwd, ...) is the same code with one flag (ADD): its
+// element types are those of x, residual and h (forward) or dy and h (backward), and the row
+// layout, launch shapes and accumulation type are those of h, so y is bitwise the norm of h.
 #include "norms.cuh"
 
 using lnlib::Acc;
@@ -60,13 +65,16 @@ __device__ __forceinline__ void add_tile(const TX* xr, const TR* rr, TH* hr, int
     }
 }
 
-// Mean and rstd of a row (CENTER), or rstd alone with the mean taken as zero (RMSNorm), from
-// the tiles load(k) puts in v. Ends with v holding the row's last tile. Every thread of the
-// block must call it.
-template <int R, int MAXV, int V, bool CENTER, typename A, typename Load>
-__device__ __forceinline__ void row_statistics(Load load, int tiles, int d, A eps,
-                                               A (&v)[MAXV][V], int (&cnt)[MAXV], A& mu,
-                                               A& rstd) {
+// Mean and rstd of a row (CENTER), or rstd alone with the mean taken as zero (RMSNorm). Ends
+// with v holding the row's last tile. Without ADD the row is xr (TX = TH); with ADD it is made
+// as it is read, h = residual + x (add_tile). Every thread of the block must call it.
+template <typename TX, typename TR, typename TH, int R, int MAXV, bool CENTER, bool ADD,
+          typename A>
+__device__ __forceinline__ void row_statistics(const TX* xr, const TR* rr, TH* hr, int tiles,
+                                               int t, int d, bool vec_ok, bool active, A eps,
+                                               A (&v)[MAXV][Vec<TH>::n], int (&cnt)[MAXV],
+                                               A& mu, A& rstd) {
+    const int V = Vec<TH>::n;
     __shared__ Stats<A> shm[LNLIB_BLOCK(R) / 32];
     __shared__ A shs[LNLIB_BLOCK(R) / 32];
     Stats<A> s;
@@ -74,7 +82,10 @@ __device__ __forceinline__ void row_statistics(Load load, int tiles, int d, A ep
     s.mean = s.m2 = A(0);
     A sq[1] = {A(0)};
     for (int k = 0; k < tiles; ++k) {
-        load(k);
+        if constexpr (ADD)
+            add_tile<TX, TR, TH, R, MAXV>(xr, rr, hr, k, t, d, vec_ok, active, v, cnt);
+        else
+            load_tile<TH, R, MAXV>(xr, k, t, d, vec_ok, active, v, cnt);
         if (CENTER) {
             s = lnlib::chan_merge(s, lnlib::thread_stats(v, cnt));
         } else {
@@ -120,14 +131,9 @@ __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* r
         const TX* xr = x + r0 * ldx;
         const TR* rr = ADD ? residual + r0 * ldr : residual;
         TH* hr = ADD ? h + r0 * ldh : h;
-        auto load = [&](int k) {
-            if constexpr (ADD)
-                add_tile<TX, TR, TH, R, MAXV>(xr, rr, hr, k, t, d, vec_ok, active, v, cnt);
-            else
-                load_tile<TH, R, MAXV>(xr, k, t, d, vec_ok, active, v, cnt);
-        };
         A mu, rstd;
-        row_statistics<R, MAXV, V, CENTER>(load, tiles, d, eps, v, cnt, mu, rstd);
+        row_statistics<TX, TR, TH, R, MAXV, CENTER, ADD>(xr, rr, hr, tiles, t, d, vec_ok, active,
+                                                         eps, v, cnt, mu, rstd);
         if (!active) continue;
         if (t == 0) {
             if (CENTER) mean_out[row] = mu;
