@@ -276,9 +276,12 @@ def test_cupy_nvrtc_compiles_every_module_by_name():
 def resource_table(builds_by_arch):
     """Lines ``kernel  sm_80 registers  sm_90 registers  spills`` for the report."""
     reports = {a: parse_report(log) for a, (_, log) in builds_by_arch.items()}
-    lines = [f"{'kernel':<44}" + "".join(f"{'sm_' + a + ' regs':>12}{'spills':>8}" for a in ARCHS)]
-    for name in build.all_name_expressions():
-        row = f"{name:<44}"
+    names = build.all_name_expressions()
+    width = max(len(n) for n in names) + 2
+    heads = "".join(f"{'sm_' + a + ' regs':>12}{'spills':>8}" for a in ARCHS)
+    lines = [f"{'kernel':<{width}}" + heads]
+    for name in names:
+        row = f"{name:<{width}}"
         for a in ARCHS:
             r = reports[a].get(name, {})
             spills = r.get("spill_stores", "?"), r.get("spill_loads", "?")

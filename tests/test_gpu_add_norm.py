@@ -254,3 +254,48 @@ def test_in_place_every_shape(norm, d, xd, rd):
     assert got[1] is stream
     for i, (g, w) in enumerate(zip(got, want)):
         _bits(g, w, f"in place result {i} d={d}")
+
+
+def _bf16(values):
+    """The bfloat16 nearest float32 ``values`` (ties to even), as uint16 bit patterns."""
+    b = cp.ascontiguousarray(values, dtype=cp.float32).view(cp.uint32)
+    half = cp.uint32(0x7FFF) + ((b >> cp.uint32(16)) & cp.uint32(1))
+    return ((b + half) >> cp.uint32(16)).astype(cp.uint16)
+
+
+def _f32(bits):
+    return (bits.astype(cp.uint32) << cp.uint32(16)).view(cp.float32)
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("d", [768, 1001, 20000])
+def test_bfloat16_row_functions(monkeypatch, norm, d):
+    """The bfloat16 fused kernels, reached through the row functions with uint16 arrays holding
+    bfloat16 bit patterns (CuPy has no bfloat16 dtype, as in tests/test_gpu_rows.py): h is the
+    float32 sum rounded once to bfloat16, y bitwise the bfloat16 norm kernel's on h, dsum the
+    bfloat16 of dh + dx."""
+    for key, value in (("TYPE_NAMES", "__nv_bfloat16"), ("ITEMSIZE", 2)):
+        monkeypatch.setitem(getattr(build, key), "uint16", value)
+    fused = {
+        k: tuple(tuple(t.replace("bfloat16", "uint16") for t in c) for c in v)
+        for k, v in build.FUSED.items()
+    }
+    monkeypatch.setattr(build, "FUSED", fused)
+    rng = np.random.default_rng(d)
+    x, residual, dy, dh = (
+        _bf16(cp.asarray(rng.standard_normal((50, d)), dtype=cp.float32)) for _ in range(4)
+    )
+    weight = cp.asarray(1 + 0.1 * rng.standard_normal(d), dtype=cp.float32)
+    params = (weight, 0.1 * weight) if norm == "layer_norm" else (weight,)
+    u16 = np.dtype(np.uint16)
+    fwd = getattr(cuda_kernel, f"add_{norm}_forward_rows")
+    y, h, *stats = fwd(x, residual, *params, 1e-5, u16)
+    _bits(h, _bf16(_f32(residual) + _f32(x)), "bfloat16 h")
+    want = getattr(cuda_kernel, f"{norm}_forward_rows")(h, *params, 1e-5)
+    for g, w in zip((y, *stats), want):
+        _bits(g, w, "bfloat16 forward")
+    dsum, *grads = getattr(cuda_kernel, f"add_{norm}_backward_rows")(dy, dh, h, *stats, weight)
+    dx, *pgrads = getattr(cuda_kernel, f"{norm}_backward_rows")(dy, h, *stats, weight)
+    _bits(dsum, _bf16(_f32(dh) + _f32(dx)), "bfloat16 dsum")
+    for g, w in zip(grads, pgrads):
+        _bits(g, w, "bfloat16 parameter gradient")
