@@ -12,6 +12,7 @@ print the report.
 """
 
 import inspect
+import itertools
 import os
 import re
 import shutil
@@ -299,3 +300,111 @@ if __name__ == "__main__":
             out = dict(zip(ARCHS, pool.map(lambda a: _compile(a, tmp), ARCHS)))
     print("\n".join(resource_table(out)))
     sys.exit(max(code for code, _ in out.values()))
+
+
+# The row functions' launches against the kernels' declarations, without a GPU -------------
+
+_C_NAME = {"float": "float32", "double": "float64", "__half": "float16"}
+
+
+def kernel_parameters():
+    """``{kernel: (template parameter names, [(C type, is pointer), ...])}`` from norms.cu."""
+    found = {}
+    pattern = (
+        r"template <([^>]*)>\s*__global__ void __launch_bounds__\([^)]*\)\)?\s*(\w+)\((.*?)\)\s*\{"
+    )
+    for m in re.finditer(pattern, build.source(), re.S):
+        names = [p.split()[-1] for p in m.group(1).split(",")]
+        params = []
+        for p in m.group(3).split(","):
+            p = p.replace("const ", "").strip()
+            pointer = "*" in p
+            ctype = p.replace("*", " ").rsplit(None, 1)[0].strip()
+            params.append((ctype, pointer))
+        found[m.group(2)] = (names, params)
+    return found
+
+
+def _declared(ctype, binding):
+    """The dtype name of a declared C type, template parameters bound by ``binding``."""
+    if ctype in ("long long", "int"):
+        return {"long long": "int64", "int": "int32"}[ctype]
+    acc = re.fullmatch(r"typename Acc<(\w+)>::type", ctype)
+    if acc:
+        return "float64" if binding[acc.group(1)] == "double" else "float32"
+    return _C_NAME[binding.get(ctype, ctype)]
+
+
+def _fake_cupy(np):
+    """A stand-in for CuPy: NumPy arrays with the ``.data.ptr`` the row functions read."""
+    import types
+
+    class Array(np.ndarray):
+        @property
+        def data(self):
+            return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+    def wrap(f):
+        return lambda *a, **k: np.asarray(f(*a, **k)).view(Array)
+
+    fake = types.ModuleType("cupy")
+    for name in ("zeros", "ascontiguousarray", "add"):
+        setattr(fake, name, wrap(getattr(np, name)))
+    fake.empty = fake.zeros  # no kernel runs: zeros keep the stand-in's arithmetic quiet
+    fake.can_cast = np.can_cast
+    return fake, wrap(np.asarray)
+
+
+def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
+    """Every launch of the CUDA row functions (fused and unfused, every dtype combination the
+    tests of tests/test_gpu_add_norm.py use) passes, position by position, an argument of the
+    dtype the kernel declares (a null pointer where a pointer may be absent), and names a
+    kernel of its module; run with a stand-in for CuPy, so a wrong order fails here."""
+    import numpy as np
+
+    from lnlib._cuda import cuda_kernel as ck
+
+    fake, put = _fake_cupy(np)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    declared, launched = kernel_parameters(), []
+
+    def function(op, dtype, r, maxv):
+        name = build.kernel_name(op, dtype, r, maxv)
+        assert name in build.name_expressions(op, dtype), name
+        names, params = declared[op]
+        binding = dict(zip(names, (a.strip() for a in name[len(op) + 1 : -1].split(","))))
+
+        def launch(grid, block, args):
+            assert len(args) == len(params), (name, len(args), len(params))
+            for i, (a, (ctype, pointer)) in enumerate(zip(args, params)):
+                if pointer and isinstance(a, np.uintp):
+                    assert a == 0, (name, i)
+                    continue
+                got = np.dtype(a.dtype).name
+                assert isinstance(a, np.ndarray) == pointer, (name, i, type(a))
+                assert got == _declared(ctype, binding), (name, i, got, ctype)
+            launched.append(op)
+
+        return launch
+
+    monkeypatch.setattr(build, "function", function)
+    monkeypatch.setattr(ck, "_column_sum", lambda op, dtype, part: part.sum(axis=0))
+    rng = np.random.default_rng(0)
+    combos = [
+        ("float32",) * 3,
+        ("float16",) * 3,
+        ("float64",) * 3,
+        ("float16", "float32", "float32"),
+    ]
+    combos += [("float16", "float16", "float32"), ("float32", "float64", "float64")]
+    for (xd, rd, hd), d in itertools.product(combos, (32, 1001, 20000)):
+        x, r, dy = (put(rng.standard_normal((3, d)), dtype=t) for t in (xd, rd, xd))
+        w = put(np.ones(d), dtype="float64" if hd == "float64" else "float32")
+        y, h, mean, rstd = ck.add_layer_norm_forward_rows(x, r, w, w, 1e-5, np.dtype(hd))
+        ck.add_rms_norm_forward_rows(x, r, None, 1e-5, np.dtype(hd))
+        for dh in (h, None, put(h, dtype="float64"), put(h, dtype="float16")):
+            ck.add_layer_norm_backward_rows(dy, dh, h, mean, rstd, w)
+            ck.add_rms_norm_backward_rows(dy, dh, h, rstd, None)
+        ck.layer_norm_backward_rows(dy, h, mean, rstd, w)
+        ck.rms_norm_backward_rows(dy, h, rstd, w)
+    assert set(launched) == set(build.OPS + build.ADD_OPS)
