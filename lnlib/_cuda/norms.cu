@@ -25,6 +25,12 @@ using lnlib::Vec;
 // Threads per block: R, but at least 128 (then a block works on 128 / R rows at once).
 #define LNLIB_BLOCK(R) ((R) < 128 ? 128 : (R))
 
+// Tile k of the fused residual add, h = residual + x (defined below, after row_statistics).
+template <typename TX, typename TR, typename TH, int R, int MAXV, typename A>
+__device__ __forceinline__ void add_tile(const TX* xr, const TR* rr, TH* hr, int k, int t, int d,
+                                         bool vec_ok, bool active, A (&v)[MAXV][Vec<TH>::n],
+                                         int (&cnt)[MAXV]);
+
 // Load tile k of a row into v (chunks of V elements owned by thread t), counting the elements
 // per slot. V is that of the row layout (Vec of h's type in a fused op), whatever T is.
 template <typename T, int R, int MAXV, int V = Vec<T>::n, bool NC = true, typename A>
@@ -40,28 +46,6 @@ __device__ __forceinline__ void load_tile(const T* row, int k, int t, int d, boo
 #pragma unroll
             for (int j = 0; j < V; ++j) v[s][j] = A(0);
         }
-    }
-}
-
-// Tile k of the fused residual add: h = residual + x in the accumulation type (float32 for
-// float16/float32 data: the widest of the dtypes, or, for float16 alone, the float16 sum
-// correctly rounded), rounded once to TH and stored; v holds the stored values, read back,
-// exactly as load_tile would read them from h. residual is read by plain loads, as h may be
-// residual itself (each element is read before this thread writes the same element).
-template <typename TX, typename TR, typename TH, int R, int MAXV, typename A>
-__device__ __forceinline__ void add_tile(const TX* xr, const TR* rr, TH* hr, int k, int t, int d,
-                                         bool vec_ok, bool active, A (&v)[MAXV][Vec<TH>::n],
-                                         int (&cnt)[MAXV]) {
-    const int V = Vec<TH>::n;
-    A xv[MAXV][V], rv[MAXV][V];
-    load_tile<TX, R, MAXV, V>(xr, k, t, d, vec_ok, active, xv, cnt);
-    load_tile<TR, R, MAXV, V, false>(rr, k, t, d, vec_ok, active, rv, cnt);
-#pragma unroll
-    for (int s = 0; s < MAXV; ++s) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) v[s][j] = lnlib::rounded<TH>(rv[s][j] + xv[s][j]);
-        const long long c = ((long long)k * MAXV + s) * R + t;
-        if (cnt[s]) lnlib::store_elems<TH, V>(hr, c, cnt[s], vec_ok, v[s]);
     }
 }
 
@@ -103,6 +87,28 @@ __device__ __forceinline__ void row_statistics(const TX* xr, const TR* rr, TH* h
         lnlib::row_sum<R, 1>(sq, shs);
         mu = A(0);
         rstd = A(1) / sqrt(sq[0] / A(d) + eps);
+    }
+}
+
+// Tile k of the fused residual add: h = residual + x in the accumulation type (float32 for
+// float16/float32 data: the widest of the dtypes, or, for float16 alone, the float16 sum
+// correctly rounded), rounded once to TH and stored; v holds the stored values, read back,
+// exactly as load_tile would read them from h. residual is read by plain loads, as h may be
+// residual itself (each element is read before this thread writes the same element).
+template <typename TX, typename TR, typename TH, int R, int MAXV, typename A>
+__device__ __forceinline__ void add_tile(const TX* xr, const TR* rr, TH* hr, int k, int t, int d,
+                                         bool vec_ok, bool active, A (&v)[MAXV][Vec<TH>::n],
+                                         int (&cnt)[MAXV]) {
+    const int V = Vec<TH>::n;
+    A xv[MAXV][V], rv[MAXV][V];
+    load_tile<TX, R, MAXV, V>(xr, k, t, d, vec_ok, active, xv, cnt);
+    load_tile<TR, R, MAXV, V, false>(rr, k, t, d, vec_ok, active, rv, cnt);
+#pragma unroll
+    for (int s = 0; s < MAXV; ++s) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[s][j] = lnlib::rounded<TH>(rv[s][j] + xv[s][j]);
+        const long long c = ((long long)k * MAXV + s) * R + t;
+        if (cnt[s]) lnlib::store_elems<TH, V>(hr, c, cnt[s], vec_ok, v[s]);
     }
 }
 
