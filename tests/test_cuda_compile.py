@@ -12,6 +12,7 @@ print the report.
 """
 
 import inspect
+import itertools
 import os
 import re
 import shutil
@@ -91,15 +92,26 @@ _TYPE = {"f": "float", "d": "double"}
 
 def demangle(sym):
     """``_Z14layer_norm_fwdIfLi32ELi1EEv...`` -> ``layer_norm_fwd<float, 32, 1>`` (the name
-    expression form); only the template patterns of these kernels are understood."""
+    expression form); only the template patterns of these kernels are understood: builtin
+    types, named types and substitutions of them (``S0_`` for the first named type that repeats,
+    as in ``add_layer_norm_fwd<__half, __half, float, 32, 1>``: ``I6__halfS0_f``)."""
     name, i = _read_name(sym, 2)
     assert sym[i] == "I", sym
     i += 1
-    if sym[i] in _TYPE:
-        args, i = [_TYPE[sym[i]]], i + 1
-    else:
-        t, i = _read_name(sym, i)
-        args = [t]
+    args, table = [], [name]  # the substitution table: the template's name, then named types
+    while True:
+        if sym[i] in _TYPE:
+            args.append(_TYPE[sym[i]])
+            i += 1
+        elif sym[i].isdigit():
+            t, i = _read_name(sym, i)
+            args.append(t)
+            table.append(t)
+        elif m := re.match(r"S(\d*)_", sym[i:]):
+            args.append(table[int(m.group(1)) + 1 if m.group(1) else 0])
+            i += m.end()
+        else:
+            break
     while m := re.match(r"Li(\d+)E", sym[i:]):
         args.append(m.group(1))
         i += m.end()
@@ -196,6 +208,24 @@ def test_launch_shapes_cover_every_row_length(op, dtype):
         assert (tiles == 1) or (r, maxv) == build.shapes(op, dtype)[-1]
 
 
+@pytest.mark.parametrize("op", build.ADD_OPS)
+def test_fused_kernels_lay_rows_out_as_the_norm_of_h(op):
+    """A fused op has, for every dtype combination and row length, the launch shape of the
+    unfused op on h's dtype (so the same reduction order: y bitwise the norm of h), and a
+    compiled kernel of that shape; the combinations include the float32 stream under float16."""
+    names = set(build.all_name_expressions())
+    plain = op.removeprefix("add_")
+    combos = build.FUSED[op[-3:]]
+    assert any(c[0] == "float16" and c[-1] == "float32" for c in combos)
+    for dtypes in combos:
+        assert build.fused(op, dtypes)
+        for d in (1, 7, 768, 1001, 4096, 16385, 65536):
+            shape = build.launch_shape(op, dtypes, d)
+            assert shape == build.launch_shape(plain, dtypes[-1], d), (op, dtypes, d)
+            assert build.kernel_name(op, dtypes, *shape[:2]) in names
+    assert not build.fused(op, ("float32",) * (len(combos[0]) - 1) + ("float64",))
+
+
 def test_launch_shapes_stated_in_the_book():
     """Chapter 5: a warp per float32 row up to 512 elements, 1024 threads up to 16384, tiles
     beyond; the backward stops at 512 threads per row; 16 float32 elements per thread."""
@@ -225,7 +255,8 @@ def _nvrtc_missing():
 @pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
 def test_cupy_nvrtc_compiles_every_module_by_name():
     """The run-time path itself, without a GPU: CuPy's option assembly and NVRTC, with the name
-    expressions of every (operation, dtype) module, for sm_90; every name resolves."""
+    expressions of every (operation, dtype) module, the fused ones included, for sm_90; every
+    name resolves."""
     from cupy._core import core
     from cupy.cuda import compiler
 
@@ -234,22 +265,24 @@ def test_cupy_nvrtc_compiles_every_module_by_name():
         + CUPY_ADDED
         + ("-arch=sm_90", "--device-as-default-execution-space")
     )
-    for op in build.OPS:
-        for dtype in build.TYPE_NAMES:
-            names = build.name_expressions(op, dtype)
-            program = compiler._NVRTCProgram(
-                build.source(), "norms.cu", name_expressions=names, method="cubin"
-            )
-            cubin, mapping = program.compile(options)
-            assert cubin and set(mapping) == set(names), f"{op} {dtype}: names not resolved"
+    for op, dtype in build.modules():
+        names = build.name_expressions(op, dtype)
+        program = compiler._NVRTCProgram(
+            build.source(), "norms.cu", name_expressions=names, method="cubin"
+        )
+        cubin, mapping = program.compile(options)
+        assert cubin and set(mapping) == set(names), f"{op} {dtype}: names not resolved"
 
 
 def resource_table(builds_by_arch):
     """Lines ``kernel  sm_80 registers  sm_90 registers  spills`` for the report."""
     reports = {a: parse_report(log) for a, (_, log) in builds_by_arch.items()}
-    lines = [f"{'kernel':<44}" + "".join(f"{'sm_' + a + ' regs':>12}{'spills':>8}" for a in ARCHS)]
-    for name in build.all_name_expressions():
-        row = f"{name:<44}"
+    names = build.all_name_expressions()
+    width = max(len(n) for n in names) + 2
+    heads = "".join(f"{'sm_' + a + ' regs':>12}{'spills':>8}" for a in ARCHS)
+    lines = [f"{'kernel':<{width}}" + heads]
+    for name in names:
+        row = f"{name:<{width}}"
         for a in ARCHS:
             r = reports[a].get(name, {})
             spills = r.get("spill_stores", "?"), r.get("spill_loads", "?")
@@ -267,3 +300,111 @@ if __name__ == "__main__":
             out = dict(zip(ARCHS, pool.map(lambda a: _compile(a, tmp), ARCHS)))
     print("\n".join(resource_table(out)))
     sys.exit(max(code for code, _ in out.values()))
+
+
+# The row functions' launches against the kernels' declarations, without a GPU -------------
+
+_C_NAME = {"float": "float32", "double": "float64", "__half": "float16"}
+
+
+def kernel_parameters():
+    """``{kernel: (template parameter names, [(C type, is pointer), ...])}`` from norms.cu."""
+    found = {}
+    pattern = (
+        r"template <([^>]*)>\s*__global__ void __launch_bounds__\([^)]*\)\)?\s*(\w+)\((.*?)\)\s*\{"
+    )
+    for m in re.finditer(pattern, build.source(), re.S):
+        names = [p.split()[-1] for p in m.group(1).split(",")]
+        params = []
+        for p in m.group(3).split(","):
+            p = p.replace("const ", "").strip()
+            pointer = "*" in p
+            ctype = p.replace("*", " ").rsplit(None, 1)[0].strip()
+            params.append((ctype, pointer))
+        found[m.group(2)] = (names, params)
+    return found
+
+
+def _declared(ctype, binding):
+    """The dtype name of a declared C type, template parameters bound by ``binding``."""
+    if ctype in ("long long", "int"):
+        return {"long long": "int64", "int": "int32"}[ctype]
+    acc = re.fullmatch(r"typename Acc<(\w+)>::type", ctype)
+    if acc:
+        return "float64" if binding[acc.group(1)] == "double" else "float32"
+    return _C_NAME[binding.get(ctype, ctype)]
+
+
+def _fake_cupy(np):
+    """A stand-in for CuPy: NumPy arrays with the ``.data.ptr`` the row functions read."""
+    import types
+
+    class Array(np.ndarray):
+        @property
+        def data(self):
+            return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+    def wrap(f):
+        return lambda *a, **k: np.asarray(f(*a, **k)).view(Array)
+
+    fake = types.ModuleType("cupy")
+    for name in ("zeros", "ascontiguousarray", "add"):
+        setattr(fake, name, wrap(getattr(np, name)))
+    fake.empty = fake.zeros  # no kernel runs: zeros keep the stand-in's arithmetic quiet
+    fake.can_cast = np.can_cast
+    return fake, wrap(np.asarray)
+
+
+def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
+    """Every launch of the CUDA row functions (fused and unfused, every dtype combination the
+    tests of tests/test_gpu_add_norm.py use) passes, position by position, an argument of the
+    dtype the kernel declares (a null pointer where a pointer may be absent), and names a
+    kernel of its module; run with a stand-in for CuPy, so a wrong order fails here."""
+    import numpy as np
+
+    from lnlib._cuda import cuda_kernel as ck
+
+    fake, put = _fake_cupy(np)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    declared, launched = kernel_parameters(), []
+
+    def function(op, dtype, r, maxv):
+        name = build.kernel_name(op, dtype, r, maxv)
+        assert name in build.name_expressions(op, dtype), name
+        names, params = declared[op]
+        binding = dict(zip(names, (a.strip() for a in name[len(op) + 1 : -1].split(","))))
+
+        def launch(grid, block, args):
+            assert len(args) == len(params), (name, len(args), len(params))
+            for i, (a, (ctype, pointer)) in enumerate(zip(args, params)):
+                if pointer and isinstance(a, np.uintp):
+                    assert a == 0, (name, i)
+                    continue
+                got = np.dtype(a.dtype).name
+                assert isinstance(a, np.ndarray) == pointer, (name, i, type(a))
+                assert got == _declared(ctype, binding), (name, i, got, ctype)
+            launched.append(op)
+
+        return launch
+
+    monkeypatch.setattr(build, "function", function)
+    monkeypatch.setattr(ck, "_column_sum", lambda op, dtype, part: part.sum(axis=0))
+    rng = np.random.default_rng(0)
+    combos = [
+        ("float32",) * 3,
+        ("float16",) * 3,
+        ("float64",) * 3,
+        ("float16", "float32", "float32"),
+    ]
+    combos += [("float16", "float16", "float32"), ("float32", "float64", "float64")]
+    for (xd, rd, hd), d in itertools.product(combos, (32, 1001, 20000)):
+        x, r, dy = (put(rng.standard_normal((3, d)), dtype=t) for t in (xd, rd, xd))
+        w = put(np.ones(d), dtype="float64" if hd == "float64" else "float32")
+        y, h, mean, rstd = ck.add_layer_norm_forward_rows(x, r, w, w, 1e-5, np.dtype(hd))
+        ck.add_rms_norm_forward_rows(x, r, None, 1e-5, np.dtype(hd))
+        for dh in (h, None, put(h, dtype="float64"), put(h, dtype="float16")):
+            ck.add_layer_norm_backward_rows(dy, dh, h, mean, rstd, w)
+            ck.add_rms_norm_backward_rows(dy, dh, h, rstd, None)
+        ck.layer_norm_backward_rows(dy, h, mean, rstd, w)
+        ck.rms_norm_backward_rows(dy, h, rstd, w)
+    assert set(launched) == set(build.OPS + build.ADD_OPS)

@@ -2,7 +2,8 @@
 
 The source is the header ``norms.cuh`` followed by ``norms.cu`` (pasted together here,
 so that CuPy's compile cache, keyed by the source text and the options, sees an edit of either
-file). Each (operation, dtype) pair is one ``cupy.RawModule`` with NVRTC name expressions for
+file). Each (operation, dtype) pair (a tuple of dtypes for the fused residual add,
+:data:`FUSED`) is one ``cupy.RawModule`` with NVRTC name expressions for
 every launch shape it may need, compiled once per process on first use and cached on disk by
 CuPy. ``import lnlib`` and this module import no CuPy; only :func:`module` does.
 
@@ -37,6 +38,30 @@ TYPE_NAMES = {
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 OPS = ("layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd")
+#: The fused residual add (lnlib.add_norm): a kernel per dtype combination, named by a tuple of
+#: dtypes, ``(x, residual, h)`` for a forward and ``(dy, h)`` for a backward.
+ADD_OPS = ("add_layer_norm_fwd", "add_layer_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd")
+#: The combinations compiled: one dtype throughout, and the float32 stream under a float16
+#: sublayer (residual_in_fp32). Others are computed as the add, then the norm of h
+#: (lnlib._cuda.cuda_kernel). No float16/float32 with float64: the accumulation type is h's,
+#: and the contract's add in the widest dtype would then need float64 with float32 h.
+FUSED = {
+    "fwd": (
+        ("float32", "float32", "float32"),
+        ("float64", "float64", "float64"),
+        ("float16", "float16", "float16"),
+        ("bfloat16", "bfloat16", "bfloat16"),
+        ("float16", "float32", "float32"),
+        ("float16", "float16", "float32"),
+    ),
+    "bwd": (
+        ("float32", "float32"),
+        ("float64", "float64"),
+        ("float16", "float16"),
+        ("bfloat16", "bfloat16"),
+        ("float16", "float32"),
+    ),
+}
 
 #: Threads per block are max(R, 128) (kernels' LNLIB_BLOCK).
 MIN_BLOCK = 128
@@ -70,14 +95,27 @@ def _dtype_name(dtype):
     return name
 
 
+def _dtype_names(dtype):
+    """The dtype names of a kernel: one dtype, or a tuple of them (a fused op's combination)."""
+    if isinstance(dtype, tuple):
+        return tuple(_dtype_name(t) for t in dtype)
+    return (_dtype_name(dtype),)
+
+
+def _layout(dtype):
+    """The dtype whose rows the kernel lays out (h's for a fused op: the last of the tuple)."""
+    return _dtype_names(dtype)[-1]
+
+
 def shapes(op, dtype):
     """The launch shapes ``(R, MAXV)`` of ``op`` for ``dtype``, by growing row capacity.
 
     Each thread holds at most 16 elements of a row tile (8 for float64), so that the backward's
     four register arrays fit without spills; a warp per row for short rows, then 64, 128, ...
-    threads per row (1024 for the forward, 512 for the backward, whose threads hold more).
+    threads per row (1024 for the forward, 512 for the backward, whose threads hold more). A
+    fused op (``dtype`` a tuple) has the shapes of the unfused op on h's dtype.
     """
-    itemsize = ITEMSIZE[_dtype_name(dtype)]
+    itemsize = ITEMSIZE[_layout(dtype)]
     vec = 16 // itemsize
     maxv = 4 if itemsize == 8 else 16 // vec
     rmax = 1024 if op.endswith("fwd") else 512
@@ -88,7 +126,7 @@ def shapes(op, dtype):
 def launch_shape(op, dtype, d):
     """``(R, MAXV, tiles)`` for rows of ``d`` elements: the first shape whose tile holds the
     row, else the largest one, looping over ``tiles`` tiles. Depends on ``d`` and the dtype only."""
-    vec = 16 // ITEMSIZE[_dtype_name(dtype)]
+    vec = 16 // ITEMSIZE[_layout(dtype)]
     chunks = -(-d // vec)
     for r, maxv in shapes(op, dtype):
         if chunks <= r * maxv:
@@ -97,13 +135,20 @@ def launch_shape(op, dtype, d):
 
 
 def kernel_name(op, dtype, r, maxv):
-    """The NVRTC name expression of one instantiation, e.g. ``layer_norm_fwd<float, 32, 1>``."""
-    return f"{op}<{TYPE_NAMES[_dtype_name(dtype)]}, {r}, {maxv}>"
+    """The NVRTC name expression of one instantiation, e.g. ``layer_norm_fwd<float, 32, 1>``
+    or ``add_layer_norm_fwd<__half, float, float, 32, 1>``."""
+    types = ", ".join(TYPE_NAMES[n] for n in _dtype_names(dtype))
+    return f"{op}<{types}, {r}, {maxv}>"
 
 
 def sum_name(dtype):
     """Name expression of the second-stage parameter-gradient sum for ``dtype``'s accumulator."""
-    return f"param_grad_sum<{'double' if _dtype_name(dtype) == 'float64' else 'float'}>"
+    return f"param_grad_sum<{'double' if _layout(dtype) == 'float64' else 'float'}>"
+
+
+def fused(op, dtype):
+    """True if the fused ``op`` is compiled for the dtype combination ``dtype`` (a tuple)."""
+    return tuple(_dtype_names(dtype)) in FUSED[op[-3:]]
 
 
 def name_expressions(op, dtype):
@@ -112,15 +157,23 @@ def name_expressions(op, dtype):
     return names + ([sum_name(dtype)] if op.endswith("bwd") else [])
 
 
+def modules():
+    """Every ``(op, dtype)`` lnlib compiles a module for (a fused op's dtype is a tuple)."""
+    plain = [(op, dt) for op in OPS for dt in TYPE_NAMES]
+    return plain + [(op, dts) for op in ADD_OPS for dts in FUSED[op[-3:]]]
+
+
 def all_name_expressions():
     """Every kernel lnlib can launch, for every dtype, once (the compile test builds them all)."""
-    names = [n for op in OPS for dt in TYPE_NAMES for n in name_expressions(op, dt)]
+    names = [n for op, dt in modules() for n in name_expressions(op, dt)]
     return list(dict.fromkeys(names))
 
 
 def module(op, dtype):
-    """The compiled ``cupy.RawModule`` for ``(op, dtype)``: built once per process, then reused."""
-    key = (op, _dtype_name(dtype))
+    """The compiled ``cupy.RawModule`` for ``(op, dtype)``: built once per process, then reused.
+    ``dtype`` is a tuple of dtypes for a fused op (see :data:`FUSED`)."""
+    names = _dtype_names(dtype)
+    key = (op, names if isinstance(dtype, tuple) else names[0])
     with _lock:
         if key not in _modules:
             import cupy

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from .._rows import add_norm_backward_composed, add_norm_forward_composed, out_array, written
+from .._rows import add_into, add_norm_forward_composed, out_array, written
 from . import build
 
 _NULL = np.uintp(0)
@@ -57,11 +57,14 @@ def _rows(a):
 
 
 def _vec_ok(d, dtype, *pairs):
-    """True if every (array, ld) row start is 16-byte aligned and d fills whole vectors."""
-    item = np.dtype(dtype).itemsize
-    if d % (16 // item):
+    """True if every (array, ld) row start is aligned to a vector and d fills whole vectors.
+
+    A vector is V = 16 / itemsize elements of the row layout's ``dtype`` (16 bytes); an array of
+    another dtype (a fused op's float16 x in float32 rows of h) moves V of its own elements."""
+    vec = 16 // np.dtype(dtype).itemsize
+    if d % vec:
         return np.int32(0)
-    return np.int32(all(a.data.ptr % 16 == 0 and (ld * item) % 16 == 0 for a, ld in pairs))
+    return np.int32(all(a.data.ptr % (vec * a.itemsize) == 0 and ld % vec == 0 for a, ld in pairs))
 
 
 def _param(p, acc):
@@ -116,31 +119,22 @@ def _column_sum(op, dtype, part):
     return out
 
 
-def _backward(op, dy, x, stats, weight, with_bias, out):
-    """Launch backward kernel ``op``; returns dx, dweight (, dbias) in the accumulation dtype."""
+def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias):
+    """Launch backward kernel ``op`` (``dtype``: a dtype, or a fused op's tuple) with the row
+    arguments ``rows`` (pairs of array and ld, the inputs before the statistics); returns
+    dweight (, dbias), the units' partial sums added in order."""
     cupy = sys.modules["cupy"]
-    m, d = x.shape
-    _check_width(d)
-    acc = _acc(x.dtype)
-    x, ldx = _rows(x)
-    dy, lddy = _rows(dy.astype(x.dtype, copy=False))
-    dx = out_array(out, 0, (m, d), x.dtype, cupy)
-    if m == 0:
-        zeros = cupy.zeros(d, dtype=acc)
-        return written(out, (dx, zeros, zeros.copy()) if with_bias else (dx, zeros))
-    r, maxv, tiles = build.launch_shape(op, x.dtype, d)
+    acc = _acc(dx.dtype)
+    r, maxv, tiles = build.launch_shape(op, dtype, d)
     blocks = build.grid("bwd", m, r, d, tiles)
     units = min(m, blocks * (build.block_threads(r) // r))
     dw_part = cupy.empty((units, d), dtype=acc)
     db_part = cupy.empty((units, d), dtype=acc) if with_bias else None
     stats = tuple(cupy.ascontiguousarray(s, dtype=acc) for s in stats)
     parts = (dw_part, db_part) if with_bias else (dw_part,)
-    vec_ok = _vec_ok(d, x.dtype, (x, ldx), (dy, lddy), (dx, d))
+    arrays = [(a, ld) for a, ld in rows if a is not None] + [(dx, d)]
     args = (
-        dy,
-        np.int64(lddy),
-        x,
-        np.int64(ldx),
+        *(v for a, ld in rows for v in (_NULL if a is None else a, np.int64(ld))),
         *stats,
         _param(weight, acc),
         dx,
@@ -148,10 +142,32 @@ def _backward(op, dy, x, stats, weight, with_bias, out):
         *parts,
         np.int64(m),
         np.int32(d),
-        vec_ok,
+        _vec_ok(d, dx.dtype, *arrays),
     )
-    build.function(op, x.dtype, r, maxv)((blocks,), (build.block_threads(r),), args)
-    return written(out, (dx, *(_column_sum(op, x.dtype, p) for p in parts)))
+    build.function(op, dtype, r, maxv)((blocks,), (build.block_threads(r),), args)
+    return tuple(_column_sum(op, dtype, p) for p in parts)
+
+
+def _no_rows(out, dx, d, acc, with_bias):
+    """The results of a backward on no rows: dx as it is, zero parameter gradients."""
+    cupy = sys.modules["cupy"]
+    zeros = cupy.zeros(d, dtype=acc)
+    return written(out, (dx, zeros, zeros.copy()) if with_bias else (dx, zeros))
+
+
+def _backward(op, dy, x, stats, weight, with_bias, out):
+    """Launch backward kernel ``op``; returns dx, dweight (, dbias) in the accumulation dtype."""
+    cupy = sys.modules["cupy"]
+    m, d = x.shape
+    _check_width(d)
+    x, ldx = _rows(x)
+    dy, lddy = _rows(dy.astype(x.dtype, copy=False))
+    dx = out_array(out, 0, (m, d), x.dtype, cupy)
+    if m == 0:
+        return _no_rows(out, dx, d, _acc(x.dtype), with_bias)
+    rows = ((dy, lddy), (x, ldx))
+    grads = _launch_backward(op, x.dtype, m, d, rows, stats, weight, dx, with_bias)
+    return written(out, (dx, *grads))
 
 
 def layer_norm_forward_rows(x, weight, bias, eps, *, out=None):
@@ -174,35 +190,118 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, out=None):
     return _backward("rms_norm_bwd", dy, x, (rstd,), weight, False, out)
 
 
-# The fused residual add (the row contract in lnlib._rows), composed until fused CUDA kernels
-# land: CuPy's add, then the kernels of the norm on h.
+# The fused residual add (the row contract in lnlib._rows, "The fused residual add"): the
+# add_*_norm kernels of norms.cu for the dtype combinations of build.FUSED. The forward of any
+# other combination (float64 mixed with another dtype, or a float32 x with a float16 stream) is
+# computed unfused: CuPy's add in the widest dtype, then the norm's kernel on h. A backward is
+# always fused: dy is read as the norm's backward reads it (converted to h's dtype unless it is
+# the float16 dy of a float32 stream), dh converted to h's dtype when that is exact; a dh wider
+# than h is added afterwards, in its dtype, rounded once to h's.
+
+
+def _add_forward(op, norm_rows, x, residual, params, eps, h_dtype, with_mean, out):
+    """Launch the fused forward ``op`` on rows; returns y, h, (mean,) rstd."""
+    cupy = sys.modules["cupy"]
+    h_dtype = np.dtype(h_dtype)
+    dtypes = (x.dtype.name, residual.dtype.name, h_dtype.name)
+    if not build.fused(op, dtypes):
+        return add_norm_forward_unfused(norm_rows, x, residual, params, eps, h_dtype, out)
+    m, d = x.shape
+    _check_width(d)
+    acc = _acc(h_dtype)
+    x, ldx = _rows(x)
+    residual, ldr = _rows(residual)  # h over residual: out[1] is residual's memory (ld = d)
+    y = out_array(out, 0, (m, d), x.dtype, cupy)
+    h = out_array(out, 1, (m, d), h_dtype, cupy)
+    mean = out_array(out, 2, m, acc, cupy) if with_mean else None
+    rstd = out_array(out, 3 if with_mean else 2, m, acc, cupy)
+    if m:
+        r, maxv, _tiles = build.launch_shape(op, dtypes, d)
+        rows = ((x, ldx), (residual, ldr), (h, d), (y, d))
+        args = (
+            *(v for a, ld in rows for v in (a, np.int64(ld))),
+            *(_param(p, acc) for p in params),
+            *((mean, rstd) if with_mean else (rstd,)),
+            np.int64(m),
+            np.int32(d),
+            acc.type(eps),
+            _vec_ok(d, h_dtype, *rows),
+        )
+        build.function(op, dtypes, r, maxv)(
+            (build.grid("fwd", m, r),), (build.block_threads(r),), args
+        )
+    return (y, h, mean, rstd) if with_mean else (y, h, rstd)
+
+
+def add_norm_forward_unfused(norm_rows, x, residual, params, eps, h_dtype, out):
+    """The fallback for dtype combinations without a fused kernel: h = residual + x by CuPy
+    (added in the widest dtype, rounded once to h's), then ``norm_rows`` on h."""
+    cupy = sys.modules["cupy"]
+    return add_norm_forward_composed(norm_rows, x, residual, params, eps, h_dtype, out, cupy)
+
+
+def _add_backward(op, dy, dh, h, stats, weight, with_bias, out):
+    """Launch the fused backward ``op`` on rows; returns dsum, dweight (, dbias)."""
+    cupy = sys.modules["cupy"]
+    m, d = h.shape
+    _check_width(d)
+    if not build.fused(op, (dy.dtype.name, h.dtype.name)):
+        dy = dy.astype(h.dtype)  # as the norm's backward reads it
+    late = None  # a dh wider than h, added after the kernel in its own dtype
+    if dh is not None and dh.dtype != h.dtype:
+        if cupy.can_cast(dh.dtype, h.dtype, "safe"):
+            dh = dh.astype(h.dtype)  # exact: the add in h's dtype is the widest
+        else:
+            dh, late = None, dh
+    h, ldh = _rows(h)
+    dy, lddy = _rows(dy)
+    dh, lddh = (None, 0) if dh is None else _rows(dh)
+    dsum = out_array(out, 0, (m, d), h.dtype, cupy)
+    if m == 0:
+        return _no_rows(out, dsum, d, _acc(h.dtype), with_bias)
+    dtypes = (dy.dtype.name, h.dtype.name)
+    rows = ((dy, lddy), (dh, lddh), (h, ldh))
+    grads = _launch_backward(op, dtypes, m, d, rows, stats, weight, dsum, with_bias)
+    if late is not None:
+        add_into(late, dsum, dsum, cupy)
+    return written(out, (dsum, *grads))
 
 
 def add_layer_norm_forward_rows(x, residual, weight, bias, eps, h_dtype, *, out=None):
-    """``y, h, mean, rstd``: h = residual + x, then :func:`layer_norm_forward_rows` of h."""
-    cupy = sys.modules["cupy"]
-    return add_norm_forward_composed(
-        layer_norm_forward_rows, x, residual, (weight, bias), eps, h_dtype, out, cupy
+    """``y, h, mean, rstd``: h = residual + x and the LayerNorm of h, in one kernel."""
+    return _add_forward(
+        "add_layer_norm_fwd",
+        layer_norm_forward_rows,
+        x,
+        residual,
+        (weight, bias),
+        eps,
+        h_dtype,
+        True,
+        out,
     )
 
 
 def add_layer_norm_backward_rows(dy, dh, h, mean, rstd, weight, *, out=None):
-    """``dsum, dweight, dbias``: :func:`layer_norm_backward_rows` of h, plus dh."""
-    cupy = sys.modules["cupy"]
-    return add_norm_backward_composed(
-        layer_norm_backward_rows, dy, dh, h, (mean, rstd), weight, out, cupy
-    )
+    """``dsum, dweight, dbias``: the LayerNorm backward on h plus dh, in one kernel."""
+    return _add_backward("add_layer_norm_bwd", dy, dh, h, (mean, rstd), weight, True, out)
 
 
 def add_rms_norm_forward_rows(x, residual, weight, eps, h_dtype, *, out=None):
-    """``y, h, rstd``: h = residual + x, then :func:`rms_norm_forward_rows` of h."""
-    cupy = sys.modules["cupy"]
-    return add_norm_forward_composed(
-        rms_norm_forward_rows, x, residual, (weight,), eps, h_dtype, out, cupy
+    """``y, h, rstd``: h = residual + x and the RMSNorm of h, in one kernel."""
+    return _add_forward(
+        "add_rms_norm_fwd",
+        rms_norm_forward_rows,
+        x,
+        residual,
+        (weight,),
+        eps,
+        h_dtype,
+        False,
+        out,
     )
 
 
 def add_rms_norm_backward_rows(dy, dh, h, rstd, weight, *, out=None):
-    """``dsum, dweight``: :func:`rms_norm_backward_rows` of h, plus dh."""
-    cupy = sys.modules["cupy"]
-    return add_norm_backward_composed(rms_norm_backward_rows, dy, dh, h, (rstd,), weight, out, cupy)
+    """``dsum, dweight``: the RMSNorm backward on h plus dh, in one kernel."""
+    return _add_backward("add_rms_norm_bwd", dy, dh, h, (rstd,), weight, False, out)

@@ -9,8 +9,13 @@
 // once. Longer rows are processed tile by tile and read a second time to write the result.
 //
 // Row arguments: x points at row 0, ldx is the distance between rows in elements. vec_ok says
-// that every row pointer is 16-byte aligned and d is a multiple of V: then chunks are moved as
-// vectors, otherwise element by element, with the same arithmetic either way.
+// that every row pointer is aligned to a vector (16 bytes of the layout's type; V elements of
+// any other type) and d is a multiple of V: then chunks are moved as vectors, otherwise
+// element by element, with the same arithmetic either way.
+//
+// The fused residual add (add_layer_norm_fwd, ...) is the same code with one flag (ADD): its
+// element types are those of x, residual and h (forward) or dy and h (backward), and the row
+// layout, launch shapes and accumulation type are those of h, so y is bitwise the norm of h.
 #include "norms.cuh"
 
 using lnlib::Acc;
@@ -20,29 +25,40 @@ using lnlib::Vec;
 // Threads per block: R, but at least 128 (then a block works on 128 / R rows at once).
 #define LNLIB_BLOCK(R) ((R) < 128 ? 128 : (R))
 
-// Load tile k of a row into v (chunks owned by thread t), counting the elements per slot.
-template <typename T, int R, int MAXV, typename A>
+// Tile k of the fused residual add, h = residual + x (defined below, after row_statistics).
+template <typename TX, typename TR, typename TH, int R, int MAXV, typename A>
+__device__ __forceinline__ void add_tile(const TX* xr, const TR* rr, TH* hr, int k, int t, int d,
+                                         bool vec_ok, bool active, A (&v)[MAXV][Vec<TH>::n],
+                                         int (&cnt)[MAXV]);
+
+// Load tile k of a row into v (chunks of V elements owned by thread t), counting the elements
+// per slot. V is that of the row layout (Vec of h's type in a fused op), whatever T is.
+template <typename T, int R, int MAXV, int V = Vec<T>::n, bool NC = true, typename A>
 __device__ __forceinline__ void load_tile(const T* row, int k, int t, int d, bool vec_ok,
-                                          bool active, A (&v)[MAXV][Vec<T>::n], int (&cnt)[MAXV]) {
+                                          bool active, A (&v)[MAXV][V], int (&cnt)[MAXV]) {
 #pragma unroll
     for (int s = 0; s < MAXV; ++s) {
         const long long c = ((long long)k * MAXV + s) * R + t;
-        if (active && c * Vec<T>::n < d) {
-            cnt[s] = lnlib::load_chunk(row, c, d, vec_ok, v[s]);
+        if (active && c * V < d) {
+            cnt[s] = lnlib::load_elems<T, V, NC>(row, c, d, vec_ok, v[s]);
         } else {
             cnt[s] = 0;
 #pragma unroll
-            for (int j = 0; j < Vec<T>::n; ++j) v[s][j] = A(0);
+            for (int j = 0; j < V; ++j) v[s][j] = A(0);
         }
     }
 }
 
 // Mean and rstd of a row (CENTER), or rstd alone with the mean taken as zero (RMSNorm). Ends
-// with v holding the row's last tile. Every thread of the block must call it.
-template <typename T, int R, int MAXV, bool CENTER, typename A>
-__device__ __forceinline__ void row_statistics(const T* xr, int tiles, int t, int d, bool vec_ok,
-                                               bool active, A eps, A (&v)[MAXV][Vec<T>::n],
-                                               int (&cnt)[MAXV], A& mu, A& rstd) {
+// with v holding the row's last tile. Without ADD the row is xr (TX = TH); with ADD it is made
+// as it is read, h = residual + x (add_tile). Every thread of the block must call it.
+template <typename TX, typename TR, typename TH, int R, int MAXV, bool CENTER, bool ADD,
+          typename A>
+__device__ __forceinline__ void row_statistics(const TX* xr, const TR* rr, TH* hr, int tiles,
+                                               int t, int d, bool vec_ok, bool active, A eps,
+                                               A (&v)[MAXV][Vec<TH>::n], int (&cnt)[MAXV],
+                                               A& mu, A& rstd) {
+    const int V = Vec<TH>::n;
     __shared__ Stats<A> shm[LNLIB_BLOCK(R) / 32];
     __shared__ A shs[LNLIB_BLOCK(R) / 32];
     Stats<A> s;
@@ -50,14 +66,17 @@ __device__ __forceinline__ void row_statistics(const T* xr, int tiles, int t, in
     s.mean = s.m2 = A(0);
     A sq[1] = {A(0)};
     for (int k = 0; k < tiles; ++k) {
-        load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, active, v, cnt);
+        if constexpr (ADD)
+            add_tile<TX, TR, TH, R, MAXV>(xr, rr, hr, k, t, d, vec_ok, active, v, cnt);
+        else
+            load_tile<TH, R, MAXV>(xr, k, t, d, vec_ok, active, v, cnt);
         if (CENTER) {
             s = lnlib::chan_merge(s, lnlib::thread_stats(v, cnt));
         } else {
 #pragma unroll
             for (int k2 = 0; k2 < MAXV; ++k2)
 #pragma unroll
-                for (int j = 0; j < Vec<T>::n; ++j) sq[0] += v[k2][j] * v[k2][j];
+                for (int j = 0; j < V; ++j) sq[0] += v[k2][j] * v[k2][j];
         }
     }
     if (CENTER) {
@@ -71,13 +90,42 @@ __device__ __forceinline__ void row_statistics(const T* xr, int tiles, int t, in
     }
 }
 
-// Forward: y = (x - mean) * rstd * weight + bias for every row (weight and bias optional, in
+// Tile k of the fused residual add: h = residual + x in the accumulation type (float32 for
+// float16/float32 data: the widest of the dtypes, or, for float16 alone, the float16 sum
+// correctly rounded), rounded once to TH and stored; v holds the stored values, read back,
+// exactly as load_tile would read them from h. residual is read by plain loads, as h may be
+// residual itself (each element is read before this thread writes the same element).
+template <typename TX, typename TR, typename TH, int R, int MAXV, typename A>
+__device__ __forceinline__ void add_tile(const TX* xr, const TR* rr, TH* hr, int k, int t, int d,
+                                         bool vec_ok, bool active, A (&v)[MAXV][Vec<TH>::n],
+                                         int (&cnt)[MAXV]) {
+    const int V = Vec<TH>::n;
+    A xv[MAXV][V], rv[MAXV][V];
+    load_tile<TX, R, MAXV, V>(xr, k, t, d, vec_ok, active, xv, cnt);
+    load_tile<TR, R, MAXV, V, false>(rr, k, t, d, vec_ok, active, rv, cnt);
+#pragma unroll
+    for (int s = 0; s < MAXV; ++s) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[s][j] = lnlib::rounded<TH>(rv[s][j] + xv[s][j]);
+        const long long c = ((long long)k * MAXV + s) * R + t;
+        if (cnt[s]) lnlib::store_elems<TH, V>(hr, c, cnt[s], vec_ok, v[s]);
+    }
+}
+
+// Forward: y = (h - mean) * rstd * weight + bias for every row (weight and bias optional, in
 // the accumulation type); the row's mean (CENTER only) and rstd are saved for the backward.
-template <typename T, int R, int MAXV, bool CENTER, typename A>
-__device__ __forceinline__ void norm_fwd(const T* x, long long ldx, T* y, long long ldy,
-                                         const A* weight, const A* bias, A* mean_out,
-                                         A* rstd_out, long long m, int d, A eps, int vec_ok) {
-    const int V = Vec<T>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
+// Without ADD, h is the input x itself (TX = TR = TH). With ADD (the fused residual add), h =
+// residual + x is made tile by tile as the row is first read (add_tile) and written to h, and
+// the statistics and y come from the stored h by the same code as without: y is bitwise the
+// norm of h, cast to TX. Rows longer than a tile reread h, not x and residual.
+template <typename TX, typename TR, typename TH, int R, int MAXV, bool CENTER, bool ADD,
+          typename A>
+__device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* residual,
+                                         long long ldr, TH* h, long long ldh, TX* y,
+                                         long long ldy, const A* weight, const A* bias,
+                                         A* mean_out, A* rstd_out, long long m, int d, A eps,
+                                         int vec_ok) {
+    const int V = Vec<TH>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
     const int tiles = lnlib::tile_count<R, MAXV, V>(d);
     A v[MAXV][V];
     int cnt[MAXV];
@@ -85,16 +133,25 @@ __device__ __forceinline__ void norm_fwd(const T* x, long long ldx, T* y, long l
          first += (long long)gridDim.x * ROWS) {
         const long long row = first + threadIdx.x / R;
         const bool active = row < m;  // inactive threads still meet the block's barriers
-        const T* xr = x + (active ? row : 0) * ldx;
+        const long long r0 = active ? row : 0;
+        const TX* xr = x + r0 * ldx;
+        const TR* rr = ADD ? residual + r0 * ldr : residual;
+        TH* hr = ADD ? h + r0 * ldh : h;
         A mu, rstd;
-        row_statistics<T, R, MAXV, CENTER>(xr, tiles, t, d, vec_ok, active, eps, v, cnt, mu, rstd);
+        row_statistics<TX, TR, TH, R, MAXV, CENTER, ADD>(xr, rr, hr, tiles, t, d, vec_ok, active,
+                                                         eps, v, cnt, mu, rstd);
         if (!active) continue;
         if (t == 0) {
             if (CENTER) mean_out[row] = mu;
             rstd_out[row] = rstd;
         }
         for (int k = 0; k < tiles; ++k) {
-            if (tiles > 1) load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, active, v, cnt);
+            if (tiles > 1) {
+                if constexpr (ADD)
+                    load_tile<TH, R, MAXV, V, false>(hr, k, t, d, vec_ok, active, v, cnt);
+                else
+                    load_tile<TH, R, MAXV>(xr, k, t, d, vec_ok, active, v, cnt);
+            }
 #pragma unroll
             for (int s = 0; s < MAXV; ++s) {
                 const long long c = ((long long)k * MAXV + s) * R + t;
@@ -105,20 +162,23 @@ __device__ __forceinline__ void norm_fwd(const T* x, long long ldx, T* y, long l
                     const A w = weight ? __ldg(weight + i) : A(1);
                     const A b = bias ? __ldg(bias + i) : A(0);
                     out[j] = (v[s][j] - mu) * rstd * w + b;
+                    // the norm of h gives y in TH; a fused op then casts it to TX
+                    if constexpr (!lnlib::Same<TX, TH>::value) out[j] = lnlib::rounded<TH>(out[j]);
                 }
-                if (cnt[s]) lnlib::store_chunk(y + row * ldy, c, cnt[s], vec_ok, out);
+                if (cnt[s]) lnlib::store_elems<TX, V>(y + row * ldy, c, cnt[s], vec_ok, out);
             }
         }
     }
 }
 
-// Tile k of a row for the backward: xh = (x - mu) * rstd and dyv = dy, both in A.
-template <typename T, int R, int MAXV, typename A>
-__device__ __forceinline__ void bwd_tile(const T* dyr, const T* xr, int k, int t, int d,
+// Tile k of a row for the backward: xh = (x - mu) * rstd and dyv = dy, both in A (dy of type
+// TY in chunks of x's layout).
+template <typename TY, typename T, int R, int MAXV, typename A>
+__device__ __forceinline__ void bwd_tile(const TY* dyr, const T* xr, int k, int t, int d,
                                          bool vec_ok, bool active, A mu, A rs,
                                          A (&xh)[MAXV][Vec<T>::n], A (&dyv)[MAXV][Vec<T>::n],
                                          int (&cnt)[MAXV]) {
-    load_tile<T, R, MAXV>(dyr, k, t, d, vec_ok, active, dyv, cnt);
+    load_tile<TY, R, MAXV, Vec<T>::n>(dyr, k, t, d, vec_ok, active, dyv, cnt);
     load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, active, xh, cnt);
 #pragma unroll
     for (int s = 0; s < MAXV; ++s)
@@ -137,11 +197,14 @@ __device__ __forceinline__ long long column(int k, int s, int j, int t, int cnt)
 // dweight = sum of dy * xhat and dbias = sum of dy over the rows: each row group (unit u) adds
 // its rows in row order, in registers when a row is one tile, and writes row u of the partial
 // buffers (units, d); param_grad_sum then adds the units in a fixed order. No atomics.
-template <typename T, int R, int MAXV, bool CENTER, typename A>
-__device__ __forceinline__ void norm_bwd(const T* dy, long long lddy, const T* x, long long ldx,
-                                         const A* mean, const A* rstd, const A* weight, T* dx,
-                                         long long lddx, A* dw_part, A* db_part, long long m,
-                                         int d, int vec_ok) {
+// With ADD (the fused residual add, x being h), dx is rounded to T and dh (if not null) added,
+// rounded once to T: dx is written as dsum = dh + dx. Without ADD, dh is unused and TY = T.
+template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, typename A>
+__device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* x, long long ldx,
+                                         const T* dh, long long lddh, const A* mean,
+                                         const A* rstd, const A* weight, T* dx, long long lddx,
+                                         A* dw_part, A* db_part, long long m, int d,
+                                         int vec_ok) {
     const int V = Vec<T>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
     const int tiles = lnlib::tile_count<R, MAXV, V>(d);
     __shared__ A shs[2 * (LNLIB_BLOCK(R) / 32)];
@@ -160,8 +223,8 @@ __device__ __forceinline__ void norm_bwd(const T* dy, long long lddy, const T* x
         const A mu = CENTER ? mean[r0] : A(0), rs = rstd[r0];
         A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
         for (int k = 0; k < tiles; ++k) {
-            bwd_tile<T, R, MAXV>(dy + r0 * lddy, x + r0 * ldx, k, t, d, vec_ok, active, mu, rs,
-                                 xh, dyv, cnt);
+            bwd_tile<TY, T, R, MAXV>(dy + r0 * lddy, x + r0 * ldx, k, t, d, vec_ok, active, mu,
+                                     rs, xh, dyv, cnt);
 #pragma unroll
             for (int s = 0; s < MAXV; ++s)
 #pragma unroll
@@ -177,8 +240,8 @@ __device__ __forceinline__ void norm_bwd(const T* dy, long long lddy, const T* x
         const A c1 = CENTER ? sums[0] / A(d) : A(0), c2 = sums[1] / A(d);
         for (int k = 0; k < tiles; ++k) {
             if (tiles > 1)
-                bwd_tile<T, R, MAXV>(dy + row * lddy, x + row * ldx, k, t, d, vec_ok, active,
-                                     mu, rs, xh, dyv, cnt);
+                bwd_tile<TY, T, R, MAXV>(dy + row * lddy, x + row * ldx, k, t, d, vec_ok, active,
+                                         mu, rs, xh, dyv, cnt);
 #pragma unroll
             for (int s = 0; s < MAXV; ++s) {
                 A out[V];
@@ -200,6 +263,14 @@ __device__ __forceinline__ void norm_bwd(const T* dy, long long lddy, const T* x
                     }
                 }
                 const long long c = ((long long)k * MAXV + s) * R + t;
+                if constexpr (ADD) {
+                    if (dh && cnt[s]) {
+                        A dhv[V];
+                        lnlib::load_elems<T, V, true>(dh + row * lddh, c, d, vec_ok, dhv);
+#pragma unroll
+                        for (int j = 0; j < V; ++j) out[j] = lnlib::rounded<T>(out[j]) + dhv[j];
+                    }
+                }
                 if (cnt[s]) lnlib::store_chunk(dx + row * lddx, c, cnt[s], vec_ok, out);
             }
         }
@@ -244,7 +315,8 @@ layer_norm_fwd(const T* x, long long ldx, T* y, long long ldy,
                const typename Acc<T>::type* weight, const typename Acc<T>::type* bias,
                typename Acc<T>::type* mean, typename Acc<T>::type* rstd, long long m, int d,
                typename Acc<T>::type eps, int vec_ok) {
-    norm_fwd<T, R, MAXV, true>(x, ldx, y, ldy, weight, bias, mean, rstd, m, d, eps, vec_ok);
+    norm_fwd<T, T, T, R, MAXV, true, false>(x, ldx, (const T*)0, 0, (T*)0, 0, y, ldy, weight,
+                                            bias, mean, rstd, m, d, eps, vec_ok);
 }
 
 template <typename T, int R, int MAXV>
@@ -253,8 +325,8 @@ rms_norm_fwd(const T* x, long long ldx, T* y, long long ldy,
              const typename Acc<T>::type* weight, typename Acc<T>::type* rstd, long long m,
              int d, typename Acc<T>::type eps, int vec_ok) {
     typedef typename Acc<T>::type A;
-    norm_fwd<T, R, MAXV, false>(x, ldx, y, ldy, weight, (const A*)0, (A*)0, rstd, m, d, eps,
-                                vec_ok);
+    norm_fwd<T, T, T, R, MAXV, false, false>(x, ldx, (const T*)0, 0, (T*)0, 0, y, ldy, weight,
+                                             (const A*)0, (A*)0, rstd, m, d, eps, vec_ok);
 }
 
 template <typename T, int R, int MAXV>
@@ -264,8 +336,8 @@ layer_norm_bwd(const T* dy, long long lddy, const T* x, long long ldx,
                const typename Acc<T>::type* weight, T* dx, long long lddx,
                typename Acc<T>::type* dw_part, typename Acc<T>::type* db_part, long long m,
                int d, int vec_ok) {
-    norm_bwd<T, R, MAXV, true>(dy, lddy, x, ldx, mean, rstd, weight, dx, lddx, dw_part, db_part,
-                               m, d, vec_ok);
+    norm_bwd<T, T, R, MAXV, true, false>(dy, lddy, x, ldx, (const T*)0, 0, mean, rstd, weight,
+                                         dx, lddx, dw_part, db_part, m, d, vec_ok);
 }
 
 template <typename T, int R, int MAXV>
@@ -274,8 +346,56 @@ rms_norm_bwd(const T* dy, long long lddy, const T* x, long long ldx,
              const typename Acc<T>::type* rstd, const typename Acc<T>::type* weight, T* dx,
              long long lddx, typename Acc<T>::type* dw_part, long long m, int d, int vec_ok) {
     typedef typename Acc<T>::type A;
-    norm_bwd<T, R, MAXV, false>(dy, lddy, x, ldx, (const A*)0, rstd, weight, dx, lddx, dw_part,
-                                (A*)0, m, d, vec_ok);
+    norm_bwd<T, T, R, MAXV, false, false>(dy, lddy, x, ldx, (const T*)0, 0, (const A*)0, rstd,
+                                          weight, dx, lddx, dw_part, (A*)0, m, d, vec_ok);
+}
+
+// The fused residual add: x (TX) and residual (TR) in, h (TH) and y (TX) out; the row layout,
+// the accumulation type and the launch shapes are those of TH, so y is bitwise the norm of h.
+// h may be residual itself. The backward takes dy (TY), dh (TH, or null for zero) and h, and
+// writes dsum = dh + dx (TH).
+template <typename TX, typename TR, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R))
+add_layer_norm_fwd(const TX* x, long long ldx, const TR* residual, long long ldr, TH* h,
+                   long long ldh, TX* y, long long ldy, const typename Acc<TH>::type* weight,
+                   const typename Acc<TH>::type* bias, typename Acc<TH>::type* mean,
+                   typename Acc<TH>::type* rstd, long long m, int d,
+                   typename Acc<TH>::type eps, int vec_ok) {
+    norm_fwd<TX, TR, TH, R, MAXV, true, true>(x, ldx, residual, ldr, h, ldh, y, ldy, weight,
+                                              bias, mean, rstd, m, d, eps, vec_ok);
+}
+
+template <typename TX, typename TR, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R))
+add_rms_norm_fwd(const TX* x, long long ldx, const TR* residual, long long ldr, TH* h,
+                 long long ldh, TX* y, long long ldy, const typename Acc<TH>::type* weight,
+                 typename Acc<TH>::type* rstd, long long m, int d, typename Acc<TH>::type eps,
+                 int vec_ok) {
+    typedef typename Acc<TH>::type A;
+    norm_fwd<TX, TR, TH, R, MAXV, false, true>(x, ldx, residual, ldr, h, ldh, y, ldy, weight,
+                                               (const A*)0, (A*)0, rstd, m, d, eps, vec_ok);
+}
+
+template <typename TY, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R))
+add_layer_norm_bwd(const TY* dy, long long lddy, const TH* dh, long long lddh, const TH* h,
+                   long long ldh, const typename Acc<TH>::type* mean,
+                   const typename Acc<TH>::type* rstd, const typename Acc<TH>::type* weight,
+                   TH* dsum, long long ldds, typename Acc<TH>::type* dw_part,
+                   typename Acc<TH>::type* db_part, long long m, int d, int vec_ok) {
+    norm_bwd<TY, TH, R, MAXV, true, true>(dy, lddy, h, ldh, dh, lddh, mean, rstd, weight, dsum,
+                                          ldds, dw_part, db_part, m, d, vec_ok);
+}
+
+template <typename TY, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R))
+add_rms_norm_bwd(const TY* dy, long long lddy, const TH* dh, long long lddh, const TH* h,
+                 long long ldh, const typename Acc<TH>::type* rstd,
+                 const typename Acc<TH>::type* weight, TH* dsum, long long ldds,
+                 typename Acc<TH>::type* dw_part, long long m, int d, int vec_ok) {
+    typedef typename Acc<TH>::type A;
+    norm_bwd<TY, TH, R, MAXV, false, true>(dy, lddy, h, ldh, dh, lddh, (const A*)0, rstd, weight,
+                                           dsum, ldds, dw_part, (A*)0, m, d, vec_ok);
 }
 
 template <typename A>

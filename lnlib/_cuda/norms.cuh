@@ -48,14 +48,30 @@ __device__ __forceinline__ int tile_count(int d) {
     return chunks / (R * MAXV) + (chunks % (R * MAXV) != 0);
 }
 
+// The unsigned integer type of B bytes, which moves B bytes of elements as one vector.
+template <int B> struct Raw;
+template <> struct Raw<16> { typedef uint4 type; };
+template <> struct Raw<8> { typedef uint2 type; };
+template <> struct Raw<4> { typedef unsigned int type; };
+
+// One B-byte vector from p: through the read-only cache (NC), or by a plain load, which also
+// sees what this thread stored earlier in the kernel (the fused forward rereads h it wrote,
+// and its residual may be h itself).
+template <bool NC, typename W> __device__ __forceinline__ W load_raw(const W* p) {
+    if constexpr (NC) return __ldg(p);
+    else return *p;
+}
+
 // Read chunk c of a row (V elements from element c * V) into a[], in the accumulation type.
-// Elements past the end of the row read as zero; returns how many were inside the row.
-template <typename T, typename A>
-__device__ __forceinline__ int load_chunk(const T* row, long long c, int d, bool vec_ok, A* a) {
-    const int V = Vec<T>::n;
+// Elements past the end of the row read as zero; returns how many were inside the row. V is
+// that of the row layout's type, which for a fused op may differ from T (float16 x in rows
+// laid out as float32 h: chunks of 4 halves, 8-byte vectors).
+template <typename T, int V, bool NC, typename A>
+__device__ __forceinline__ int load_elems(const T* row, long long c, int d, bool vec_ok, A* a) {
+    typedef typename Raw<V * sizeof(T)>::type W;
     const long long i0 = c * V;
     if (vec_ok && i0 + V <= d) {
-        uint4 raw = __ldg(reinterpret_cast<const uint4*>(row) + c);
+        W raw = load_raw<NC>(reinterpret_cast<const W*>(row) + c);
         const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
         for (int j = 0; j < V; ++j) a[j] = to_acc(e[j]);
@@ -71,22 +87,40 @@ __device__ __forceinline__ int load_chunk(const T* row, long long c, int d, bool
     return n;
 }
 
-// Write the first n of the V values in a[] (converted to T) to chunk c of a row.
 template <typename T, typename A>
-__device__ __forceinline__ void store_chunk(T* row, long long c, int n, bool vec_ok, const A* a) {
-    const int V = Vec<T>::n;
+__device__ __forceinline__ int load_chunk(const T* row, long long c, int d, bool vec_ok, A* a) {
+    return load_elems<T, Vec<T>::n, true>(row, c, d, vec_ok, a);
+}
+
+// Write the first n of the V values in a[] (converted to T) to chunk c of a row.
+template <typename T, int V, typename A>
+__device__ __forceinline__ void store_elems(T* row, long long c, int n, bool vec_ok, const A* a) {
+    typedef typename Raw<V * sizeof(T)>::type W;
     if (vec_ok && n == V) {
-        uint4 raw;
+        W raw;
         T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
         for (int j = 0; j < V; ++j) e[j] = Out<T>::of(a[j]);
-        reinterpret_cast<uint4*>(row)[c] = raw;
+        reinterpret_cast<W*>(row)[c] = raw;
         return;
     }
 #pragma unroll
     for (int j = 0; j < V; ++j)
         if (j < n) row[c * V + j] = Out<T>::of(a[j]);
 }
+
+template <typename T, typename A>
+__device__ __forceinline__ void store_chunk(T* row, long long c, int n, bool vec_ok, const A* a) {
+    store_elems<T, Vec<T>::n>(row, c, n, vec_ok, a);
+}
+
+// v rounded to T and read back in the accumulation type: the value a stored T holds.
+template <typename T, typename A> __device__ __forceinline__ A rounded(A v) {
+    return to_acc(Out<T>::of(v));
+}
+
+template <typename A, typename B> struct Same { static const bool value = false; };
+template <typename A> struct Same<A, A> { static const bool value = true; };
 
 // Count, mean and sum of squared deviations from the mean (M2) of a set of values.
 template <typename A> struct Stats {
