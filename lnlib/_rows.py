@@ -469,11 +469,3 @@ def add_norm_forward_composed(norm_rows, x, residual, params, eps, h_dtype, out,
     h = add_into(x, residual, out_array(out, 1, x.shape, h_dtype, xp), xp)
     y, *stats = norm_rows(h, *params, eps)
     return written(out, (y.astype(x.dtype, copy=False), h, *stats))
-
-
-def add_norm_backward_composed(norm_rows, dy, dh, h, stats, weight, out, xp):
-    """The fused backward as the norm's backward, then dh added."""
-    dx, *grads = norm_rows(dy, h, *stats, weight)
-    if dh is not None:
-        dx = add_into(dh, dx, dx, xp)
-    return written(out, (dx, *grads))

@@ -1,9 +1,10 @@
 """Every CUDA kernel of lnlib on a few small shapes, for compute-sanitizer (tools/gpu_check.sh).
 
-Covers each launch shape family (a warp per row, several warps per row, a block per row, rows
-of several tiles), float32/float16/float64, rows that are not 16-byte aligned, batches that do
-not fill the last block, and the backward's two-stage parameter gradients. CuPy's memory pool
-is switched off so that every array is its own allocation and an out-of-bounds access is seen.
+Covers the norms and the fused residual add, each launch shape family (a warp per row, several
+warps per row, a block per row, rows of several tiles), float32/float16/float64, rows that are
+not 16-byte aligned, batches that do not fill the last block, and the backward's two-stage
+parameter gradients. CuPy's memory pool is switched off so that every array is its own
+allocation and an out-of-bounds access is seen.
 """
 
 import sys
@@ -31,6 +32,23 @@ def run_case(m, d, dtype, rng):
         lnlib.layer_norm_backward(dy, xs, mean, rstd)
         _y, rstd = lnlib.rms_norm_forward(xs, w)
         lnlib.rms_norm_backward(dy, xs, rstd, w)
+        run_fused(xs, dy, w, dtype, rng)
+
+
+def run_fused(x, dy, w, dtype, rng):
+    """The fused residual add: a new h, h written over the residual, dh given and absent, and
+    for float16 the float32 stream."""
+    streams = [dtype] + ([np.float32] if dtype == np.float16 else [])
+    for h_dtype in streams:
+        res = cp.asarray(rng.standard_normal(x.shape).astype(h_dtype))
+        dh = cp.asarray(rng.standard_normal(x.shape).astype(h_dtype))
+        wa = w.astype(np.float32) if h_dtype != dtype else w
+        _y, h, mean, rstd = lnlib.add_layer_norm_forward(x, res, wa, wa)
+        lnlib.add_layer_norm_backward(dy, dh, h, mean, rstd, wa)
+        lnlib.add_layer_norm_backward(dy, None, h, mean, rstd)
+        lnlib.add_rms_norm_forward(x, res, wa, out=(None, res, None))  # h over the residual
+        _y, h, rstd = lnlib.add_rms_norm_forward(x, res, wa)
+        lnlib.add_rms_norm_backward(dy, dh, h, rstd, wa)
 
 
 def main():
@@ -43,7 +61,9 @@ def main():
                     run_case(m, d, dtype, rng)
                     count += 1
     cp.cuda.Device().synchronize()
-    print(f"ran {count} cases (5 kernel launches and 2 parameter-gradient sums each, twice)")
+    print(
+        f"ran {count} cases (the norms' and the fused add's kernels, aligned and misaligned rows)"
+    )
     return 0
 
 
