@@ -91,6 +91,14 @@ def _cupy_with_gpu():
         return None, f"CUDA is not usable ({exc})"
 
 
+def skip_or_fail(reason):
+    """Skip the test with ``reason`` (no GPU here); under ``LNLIB_REQUIRE_GPU=1`` (``make
+    gpu-check`` sets it) fail instead, so that a GPU machine cannot pass a GPU test unrun."""
+    if os.environ.get("LNLIB_REQUIRE_GPU") == "1":
+        pytest.fail(f"LNLIB_REQUIRE_GPU=1 but {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
 def xp(request):
     """The array module of a test: NumPy always, CuPy where a CUDA GPU is present.
@@ -105,9 +113,7 @@ def xp(request):
         return
     cupy, reason = _cupy_with_gpu()
     if cupy is None:
-        if os.environ.get("LNLIB_REQUIRE_GPU") == "1":
-            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but {reason}")
-        pytest.skip(reason)
+        skip_or_fail(reason)
     import lnlib
 
     if "cpu_path" in request.fixturenames:

@@ -7,42 +7,23 @@ fails instead when ``LNLIB_REQUIRE_GPU=1`` (``make gpu-check`` sets it), so a GP
 cannot pass this file without running it.
 """
 
-import os
 
 import numpy as np
 import pytest
-from conftest import host
+from conftest import _cupy_with_gpu, host, skip_or_fail
 from error_bounds import UNIT_ROUNDOFF, column_sum_bound, gamma, summand_errors
 
 import lnlib
 from lnlib import _backend, reference
 
-REQUIRE = os.environ.get("LNLIB_REQUIRE_GPU", "") == "1"
-
-
-def _find_gpu():
-    try:
-        import cupy
-    except ImportError as exc:
-        return None, f"needs CuPy and a CUDA GPU: CuPy is not installed ({exc})"
-    try:
-        if cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy, "ok"
-    except Exception as exc:  # noqa: BLE001 - a broken driver means no GPU for these tests
-        return None, f"needs a CUDA GPU: CuPy cannot reach the driver ({exc})"
-    return None, "needs a CUDA GPU: CuPy sees none"
-
-
-cp, REASON = _find_gpu()
+cp, REASON = _cupy_with_gpu()
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _gpu_present():
     if cp is None:
-        if REQUIRE:
-            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but the test {REASON}")
-        pytest.skip(REASON)
+        skip_or_fail(f"the test needs CuPy and a CUDA GPU: {REASON}")
 
 
 def _torch_cuda():
@@ -51,10 +32,7 @@ def _torch_cuda():
     except ImportError:
         torch = None
     if torch is None or not torch.cuda.is_available():
-        message = "needs torch with CUDA"
-        if REQUIRE:
-            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but the test {message}")
-        pytest.skip(message)
+        skip_or_fail("the test needs torch with CUDA")
     return torch
 
 

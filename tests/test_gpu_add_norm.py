@@ -15,16 +15,14 @@ Needs CuPy and a CUDA GPU: skipped with the reason where either is missing, fail
 under ``LNLIB_REQUIRE_GPU=1`` (``make gpu-check`` sets it).
 """
 
-import os
 
 import numpy as np
 import pytest
-from conftest import _cupy_with_gpu
+from conftest import _cupy_with_gpu, skip_or_fail
 
 import lnlib
 from lnlib._cuda import build, cuda_kernel
 
-REQUIRE = os.environ.get("LNLIB_REQUIRE_GPU", "") == "1"
 cp, REASON = _cupy_with_gpu()
 pytestmark = pytest.mark.gpu
 
@@ -44,9 +42,7 @@ LENGTHS = [32, 1001, 768, 65536]
 @pytest.fixture(autouse=True)
 def _gpu_present():
     if cp is None:
-        if REQUIRE:
-            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but {REASON}")
-        pytest.skip(REASON)
+        skip_or_fail(REASON)
 
 
 @pytest.fixture(autouse=True)

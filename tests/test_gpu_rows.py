@@ -20,18 +20,16 @@ installed, which the GPU machine may lack. Where CuPy holds them, the bfloat16 d
 to give the same bits.
 """
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from conftest import _cupy_with_gpu
+from conftest import _cupy_with_gpu, skip_or_fail
 from error_bounds import column_sum_bound, summand_errors
 
 from lnlib import reference
 from lnlib._cuda import build
 
-REQUIRE = os.environ.get("LNLIB_REQUIRE_GPU", "") == "1"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 NORMS = ("layer_norm", "rms_norm")
 EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
@@ -283,9 +281,7 @@ def cuda_rows(monkeypatch):
     """CudaRows, with uint16 arrays mapped to the bfloat16 kernels."""
     cupy, reason = _cupy_with_gpu()
     if cupy is None:
-        if REQUIRE:
-            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but {reason}")
-        pytest.skip(f"needs CuPy and a CUDA GPU: {reason}")
+        skip_or_fail(f"needs CuPy and a CUDA GPU: {reason}")
     monkeypatch.setitem(build.TYPE_NAMES, "uint16", build.TYPE_NAMES["bfloat16"])
     monkeypatch.setitem(build.ITEMSIZE, "uint16", build.ITEMSIZE["bfloat16"])
     return CudaRows(cupy)

@@ -6,11 +6,10 @@ missing, and fails instead when ``LNLIB_REQUIRE_GPU=1``, so a GPU machine cannot
 file without running it.
 """
 
-import os
 
 import pytest
+from conftest import skip_or_fail
 
-REQUIRE = os.environ.get("LNLIB_REQUIRE_GPU", "") == "1"
 pytestmark = pytest.mark.gpu
 
 
@@ -34,9 +33,7 @@ REASON = _why_not()
 @pytest.fixture(autouse=True)
 def _gpu_present():
     if REASON is not None:
-        if REQUIRE:
-            pytest.fail(f"LNLIB_REQUIRE_GPU=1 but the test {REASON}")
-        pytest.skip(REASON)
+        skip_or_fail(f"the test {REASON}")
 
 
 @pytest.fixture
