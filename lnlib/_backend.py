@@ -45,10 +45,9 @@ def _module(name):
 
 
 def select(op, xp):
-    """The row function of ``op`` for ``xp`` (NumPy or CuPy) arrays of float16, float32 or
-    float64: that of the implementation forced (:func:`use_implementation`), else of the first
-    in :data:`AUTO` available here. Raises what :func:`use_implementation` says, and
-    ``ValueError`` for a bad ``LNLIB_CPU_KERNEL`` or ``LNLIB_NUM_THREADS``."""
+    """The row function of ``op`` for ``xp`` (NumPy or CuPy) arrays of :data:`DTYPES`: the
+    forced implementation's (:func:`use_implementation`), else the first available of :data:`AUTO`.
+    Raises what :func:`use_implementation` says; ValueError: bad LNLIB_CPU_KERNEL or threads."""
     arrays = "numpy" if xp is np else "cupy"
     if arrays == "numpy":
         check_thread_setting()  # every call, small ones too

@@ -9,7 +9,7 @@ remembers what its last :meth:`forward` saved. A forward/backward pair is one st
 
 import numpy as np
 
-from ._docs import doc
+from ._docs import doc, entries
 from ._validate import normalized_shape_value, weight_offset_value
 from .ada_norm import (
     ada_layer_norm_backward,
@@ -87,131 +87,126 @@ def _backward_doc(fn, stored, more="", outputs="dx : ndarray, shape and dtype of
 _Y = "y : ndarray, shape and dtype of ``x``"
 
 
-def _filled(shape, dtype, value):
-    """A parameter of ``shape`` filled with ``value``; None (not held) where ``value`` is."""
-    return None if value is None else np.full(shape, value, dtype)
-
-
-def _norm_setup(layer, normalized_shape, eps, elementwise_affine, dtype, weight_offset):
-    """Set what LayerNorm and RMSNorm share: the shape, ``eps``, the checked offset and the
-    weight (``1 - weight_offset``; None without ``elementwise_affine``)."""
-    layer.normalized_shape = normalized_shape_value(normalized_shape)
-    layer.eps = eps
-    affine = True if elementwise_affine else None
-    layer.weight_offset = weight_offset_value(weight_offset, affine)
-    start = 1 - layer.weight_offset if affine else None
-    layer.weight = _filled(layer.normalized_shape, dtype, start)
-
-
 class _Layer:
-    """What the layers here share: ``backward`` takes what the last ``forward`` saved."""
+    """What the layers share: parameters held by :meth:`_hold`, a ``backward`` that takes what
+    the last ``forward`` saved, the gradients it stores; calling a layer calls ``forward``."""
 
-    _saved = None
+    _saved, _params = None, ()
+
+    def __call__(self, *args):
+        return self.forward(*args)
+
+    def _hold(self, shape, dtype, **fills):
+        """Hold the parameters named in ``fills``, a ``shape`` filled with the value (None: not
+        held), in that order; their gradients (``d`` + name) are None until a backward."""
+        self._params = (*self._params, *fills)
+        for name, value in fills.items():
+            setattr(self, name, None if value is None else np.full(shape, value, dtype))
+            setattr(self, "d" + name, None)
 
     def _take(self):
         if self._saved is None:
             raise RuntimeError(f"{type(self).__name__}.backward called before forward")
         return self._saved
 
-    def _keep(self, dx, dweight, dbias):
-        """Store ``dweight`` and ``dbias``, None for a parameter the layer does not hold; return
-        ``dx``."""
-        self.dweight = dweight if self.weight is not None else None
-        self.dbias = dbias if self.bias is not None else None
+    def _keep(self, dx, *grads):
+        """Store the gradients of the parameters, in the order held (None for one the layer
+        does not hold); return ``dx``."""
+        for name, grad in zip(self._params, grads):
+            setattr(self, "d" + name, None if getattr(self, name) is None else grad)
         return dx
 
 
-class LayerNorm(_Layer):
+def _affine(held):
+    """The fills of a weight (ones) and a bias (zeros), held or not."""
+    return {"weight": 1.0 if held else None, "bias": 0.0 if held else None}
+
+
+class _Norm(_Layer):
+    """What LayerNorm and RMSNorm (and their fused forms) share: the normalized shape, ``eps``,
+    the checked offset, the weight (``1 - weight_offset``) and the bias unless None."""
+
+    def _setup(self, normalized_shape, eps, affine, dtype, weight_offset, bias=None):
+        self.normalized_shape, self.eps = normalized_shape_value(normalized_shape), eps
+        self.weight_offset = weight_offset_value(weight_offset, True if affine else None)
+        fills = {"weight": 1 - self.weight_offset if affine else None}
+        if bias is not None:
+            fills["bias"] = 0.0 if affine and bias else None
+        self._hold(self.normalized_shape, dtype, **fills)
+
+    def _kw(self):
+        return {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
+
+
+@entries
+class LayerNorm(_Norm):
     r"""LayerNorm over the trailing ``normalized_shape`` axes, with weight and bias.
 
     Covered in :ref:`sec-ch02-one-vector` and :ref:`sec-ch02-backward`.
 
     Parameters
     ----------
-    normalized_shape : int or tuple of int
-        Shape of the trailing axes normalized over (D values in all).
-    eps : float, default 1e-5
-        Added to the variance inside the square root.
+    {normalized_shape}
+    {eps}
     elementwise_affine, bias : bool, default True
         Whether to hold a weight :math:`\gamma` and, with it, a bias :math:`\beta` (zeros).
-    dtype : dtype, default float32
-        Dtype of the parameters.
-    weight_offset : float, default 0.0
-        Keyword only. The scale is ``weight_offset + weight``; the weight starts at
-        ``1 - weight_offset`` (zeros for the zero-centred gain, ``weight_offset=1.0``).
+    {dtype}
+    {scale_offset}
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
                  dtype=np.float32, *, weight_offset=0.0):  # fmt: skip
-        _norm_setup(self, normalized_shape, eps, elementwise_affine, dtype, weight_offset)
-        held = elementwise_affine and bias
-        self.bias = _filled(self.normalized_shape, dtype, 0.0 if held else None)
-        self.dweight = self.dbias = None
+        self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset, bias)
 
     @_forward_doc("layer_norm_forward", "(*lead, *normalized_shape)", "The normalized input.")
     def forward(self, x):
-        ndim, offset = len(self.normalized_shape), self.weight_offset
-        y, mean, rstd = layer_norm_forward(
-            x, self.weight, self.bias, eps=self.eps, normalized_ndim=ndim, weight_offset=offset
-        )
-        self._saved = (x, mean, rstd)
+        y, *stats = layer_norm_forward(x, self.weight, self.bias, eps=self.eps, **self._kw())
+        self._saved = (x, *stats)
         return y
 
     @_backward_doc("layer_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
-        x, mean, rstd = self._take()
         offset = self.weight_offset
         return self._keep(
-            *layer_norm_backward(dy, x, mean, rstd, self.weight, weight_offset=offset)
+            *layer_norm_backward(dy, *self._take(), self.weight, weight_offset=offset)
         )
 
-    __call__ = forward
 
-
-class RMSNorm(_Layer):
+@entries
+class RMSNorm(_Norm):
     """RMSNorm over the trailing ``normalized_shape`` axes, with a weight (gain).
 
     Covered in :doc:`/book/04_variants`, section "RMSNorm".
 
     Parameters
     ----------
-    normalized_shape : int or tuple of int
-        Shape of the trailing axes normalized over (D values in all).
+    {normalized_shape}
     eps : float, default 1e-6
         Added to the mean square inside the square root.
     elementwise_affine : bool, default True
         Whether to hold a weight (the gain).
     dtype : dtype, default float32
         Dtype of the weight.
-    weight_offset : float, default 0.0
-        Keyword only. The gain is ``weight_offset + weight``; the weight starts at
-        ``1 - weight_offset`` (zeros for Gemma's zero-centred gain, ``weight_offset=1.0``).
+    {gain_offset}
     """
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32,
                  *, weight_offset=0.0):  # fmt: skip
-        _norm_setup(self, normalized_shape, eps, elementwise_affine, dtype, weight_offset)
-        self.dweight = None
+        self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset)
 
     @_forward_doc("rms_norm_forward", "(*lead, *normalized_shape)", "The rescaled input.")
     def forward(self, x):
-        ndim, offset = len(self.normalized_shape), self.weight_offset
-        y, rstd = rms_norm_forward(
-            x, self.weight, eps=self.eps, normalized_ndim=ndim, weight_offset=offset
-        )
+        y, rstd = rms_norm_forward(x, self.weight, eps=self.eps, **self._kw())
         self._saved = (x, rstd)
         return y
 
     @_backward_doc("rms_norm_backward", "``dweight``")
     def backward(self, dy):
-        x, rstd = self._take()
-        dx, dweight = rms_norm_backward(dy, x, rstd, self.weight, weight_offset=self.weight_offset)
-        self.dweight = dweight if self.weight is not None else None
-        return dx
-
-    __call__ = forward
+        offset = self.weight_offset
+        return self._keep(*rms_norm_backward(dy, *self._take(), self.weight, weight_offset=offset))
 
 
+@entries
 class AdaLN(_Layer):
     """Adaptive LayerNorm with its conditioning layer (adaLN-Zero by default), as in DiT.
 
@@ -236,8 +231,7 @@ class AdaLN(_Layer):
         N(0, 1/cond_dim) with ``rng``.
     rng : numpy.random.Generator, optional
         Random generator for the weight when ``zero_init`` is False.
-    dtype : dtype, default float32
-        Dtype of the parameters.
+    {dtype}
 
     Attributes
     ----------
@@ -320,9 +314,8 @@ class AdaLN(_Layer):
         dc, self.dweight, self.dbias = adaln_modulation_backward(dmod, c, self.weight)
         return dx, dc
 
-    __call__ = forward
 
-
+@entries
 class BatchNorm(_Layer):
     """BatchNorm over (N, C, ...) with running statistics, for comparison with LayerNorm.
 
@@ -332,12 +325,10 @@ class BatchNorm(_Layer):
     ----------
     num_features : int
         Number of channels C.
-    eps : float, default 1e-5
-        Added to the variance inside the square root.
+    {eps}
     momentum : float, default 0.1
         Weight of the batch statistics in the running averages.
-    affine : bool, default True
-        Whether to hold a per-channel weight (ones) and bias (zeros).
+    {affine}
     dtype : dtype, default float32
         Dtype of the parameters and running statistics.
 
@@ -351,13 +342,10 @@ class BatchNorm(_Layer):
     """
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype=np.float32):
-        self.eps, self.momentum = eps, momentum
-        self.weight = _filled(num_features, dtype, 1.0 if affine else None)
-        self.bias = _filled(num_features, dtype, 0.0 if affine else None)
+        self.eps, self.momentum, self.training = eps, momentum, True
+        self._hold(num_features, dtype, **_affine(affine))
         self.running_mean = np.zeros(num_features, dtype)
         self.running_var = np.ones(num_features, dtype)
-        self.training = True
-        self.dweight = self.dbias = None
 
     def train(self, mode=True):
         """Set training mode (batch statistics) or evaluation mode (running statistics).
@@ -399,9 +387,8 @@ class BatchNorm(_Layer):
         x, mean, rstd, training = self._take()
         return self._keep(*batch_norm_backward(dy, x, mean, rstd, self.weight, training=training))
 
-    __call__ = forward
 
-
+@entries
 class GroupNorm(_Layer):
     """GroupNorm over (N, C, ...) with a per-channel weight and bias, like ``torch.nn.GroupNorm``.
 
@@ -413,12 +400,9 @@ class GroupNorm(_Layer):
         G, a divisor of ``num_channels``.
     num_channels : int
         C.
-    eps : float, default 1e-5
-        Added to the variance inside the square root.
-    affine : bool, default True
-        Whether to hold a weight (ones) and a bias (zeros) of shape (C,).
-    dtype : dtype, default float32
-        Dtype of the parameters.
+    {eps}
+    {affine}
+    {dtype}
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
@@ -428,9 +412,7 @@ class GroupNorm(_Layer):
                 f"num_groups must be >= 1 and divide num_channels = "
                 f"{self.num_channels}, got {num_groups}"
             )
-        self.weight = _filled(self.num_channels, dtype, 1.0 if affine else None)
-        self.bias = _filled(self.num_channels, dtype, 0.0 if affine else None)
-        self.dweight = self.dbias = None
+        self._hold(self.num_channels, dtype, **_affine(affine))
 
     @_forward_doc("group_norm_forward", "(N, C, ...)", "The normalized input.")
     def forward(self, x):
@@ -442,8 +424,6 @@ class GroupNorm(_Layer):
     def backward(self, dy):
         x, mean, rstd = self._take()
         return self._keep(*group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight))
-
-    __call__ = forward
 
 
 class DynamicTanh(_Layer):
@@ -475,11 +455,8 @@ class DynamicTanh(_Layer):
             raise ValueError(
                 f"normalized_shape must be one size (the last axis), got {normalized_shape}"
             )
-        self.alpha = np.array(alpha_init, dtype=dtype)
-        shape = self.normalized_shape
-        self.weight = _filled(shape, dtype, 1.0 if elementwise_affine else None)
-        self.bias = _filled(shape, dtype, 0.0 if elementwise_affine else None)
-        self.dalpha = self.dweight = self.dbias = None
+        self._hold((), dtype, alpha=alpha_init)
+        self._hold(self.normalized_shape, dtype, **_affine(elementwise_affine))
 
     @_forward_doc("dynamic_tanh", "(..., D)", "``weight * tanh(alpha * x) + bias``.")
     def forward(self, x):
@@ -490,10 +467,7 @@ class DynamicTanh(_Layer):
     @_backward_doc("dynamic_tanh_backward", "``dalpha``, ``dweight``, ``dbias``")
     def backward(self, dy):
         (x,) = self._take()
-        dx, self.dalpha, dweight, dbias = dynamic_tanh_backward(dy, x, self.alpha, self.weight)
-        return self._keep(dx, dweight, dbias)
-
-    __call__ = forward
+        return self._keep(*dynamic_tanh_backward(dy, x, self.alpha, self.weight))
 
 
 # The fused layers' forward takes x and residual and returns y and h; their backward takes dy
@@ -535,20 +509,17 @@ class AddLayerNorm(LayerNorm):
 
     @_forward_doc("add_layer_norm_forward", *_ADD_FORWARD)
     def forward(self, x, residual):
-        kw = {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
-        params, dtype = (self.weight, self.bias), self.residual_dtype
-        y, h, mean, rstd = add_layer_norm_forward(
-            x, residual, *params, eps=self.eps, residual_dtype=dtype, **kw
+        kw, params = self._kw(), (self.weight, self.bias)
+        y, h, *stats = add_layer_norm_forward(
+            x, residual, *params, eps=self.eps, residual_dtype=self.residual_dtype, **kw
         )
-        self._saved = (h, mean, rstd, kw)
+        self._saved = (h, *stats, kw)
         return y, h
 
     @_backward_doc("add_layer_norm_backward", "``dweight`` and ``dbias``", *_ADD_BACKWARD)
     def backward(self, dy, dh=None):
-        h, mean, rstd, kw = self._take()
-        return self._keep(*add_layer_norm_backward(dy, dh, h, mean, rstd, self.weight, **kw))
-
-    __call__ = forward
+        *saved, kw = self._take()
+        return self._keep(*add_layer_norm_backward(dy, dh, *saved, self.weight, **kw))
 
 
 class AddRMSNorm(RMSNorm):
@@ -569,19 +540,14 @@ class AddRMSNorm(RMSNorm):
 
     @_forward_doc("add_rms_norm_forward", *_ADD_FORWARD)
     def forward(self, x, residual):
-        kw = {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
-        dtype = self.residual_dtype
+        kw = self._kw()
         y, h, rstd = add_rms_norm_forward(
-            x, residual, self.weight, eps=self.eps, residual_dtype=dtype, **kw
+            x, residual, self.weight, eps=self.eps, residual_dtype=self.residual_dtype, **kw
         )
         self._saved = (h, rstd, kw)
         return y, h
 
     @_backward_doc("add_rms_norm_backward", "``dweight``", *_ADD_BACKWARD)
     def backward(self, dy, dh=None):
-        h, rstd, kw = self._take()
-        dsum, dweight = add_rms_norm_backward(dy, dh, h, rstd, self.weight, **kw)
-        self.dweight = dweight if self.weight is not None else None
-        return dsum
-
-    __call__ = forward
+        *saved, kw = self._take()
+        return self._keep(*add_rms_norm_backward(dy, dh, *saved, self.weight, **kw))

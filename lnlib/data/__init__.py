@@ -10,7 +10,7 @@ from importlib import resources
 
 __all__ = ["load_benchmark"]
 
-BENCHMARKS = ("cpu_layer_norm",)
+BENCHMARKS = ("cpu_layer_norm", "cpu_fused_add")
 
 
 def load_benchmark(name: str = "cpu_layer_norm") -> dict:
@@ -20,7 +20,10 @@ def load_benchmark(name: str = "cpu_layer_norm") -> dict:
     lnlib/data/cpu_layer_norm.json`` (its ``"command"`` entry has the whole command): the
     machine it ran on, the memory-copy bandwidth, lnlib's LayerNorm and RMSNorm against
     PyTorch's, with and without ``out=``, and the time of each optimisation step, as written
-    by ``lnlib.bench``.
+    by ``lnlib.bench``. ``cpu_fused_add`` is the output of ``python -m lnlib.bench --ops
+    add_layer_norm,add_rms_norm ... --out lnlib/data/cpu_fused_add.json``: the fused residual
+    add (``lnlib.add_layer_norm``, ``lnlib.add_rms_norm``) against lnlib's add then norm and
+    against PyTorch's ``residual + x`` then the norm, in its ``"fused"`` entry.
 
     Parameters
     ----------
