@@ -54,6 +54,16 @@ const char *norms_kernel_version(void)
     return "default";
 }
 
+/* Rows up to PAIR_MAX long go two at a time (the row functions' k): two rows of x and dy in
+ * float64 (256 KiB) still fit in a core's L2 cache. How many rows start at row r: */
+enum { PAIR_MAX = 8192 };
+_Static_assert(NORMS_BLOCK_ROWS % 2 == 0, "a pair of rows must fall in one row block");
+
+static int rows_at(ptrdiff_t r, ptrdiff_t m, ptrdiff_t n)
+{
+    return r + 1 < m && n <= PAIR_MAX ? 2 : 1;
+}
+
 static ptrdiff_t block_len(ptrdiff_t start, ptrdiff_t n)
 {
     return n - start < BLOCK ? n - start : BLOCK;
@@ -74,13 +84,22 @@ static void pairwise_add(struct pairwise *s, double v)
     s->level[k] = v;
 }
 
-static double pairwise_total(const struct pairwise *s)
+/* Starts `count` pairwise sums (the levels are written before they are read). */
+static void pairwise_start(struct pairwise *s, int count)
 {
-    double total = 0;
-    for (int k = 0; (s->count >> k) != 0; k++)
-        if ((s->count >> k) & 1)
-            total = s->level[k] + total;
-    return total;
+    for (int c = 0; c < count; c++)
+        s[c].count = 0;
+}
+
+/* The totals of `count` pairwise sums: the levels still held, from the lowest. */
+static void pairwise_totals(const struct pairwise *s, int count, double *total)
+{
+    for (int c = 0; c < count; c++, s++) {
+        total[c] = 0;
+        for (int k = 0; (s->count >> k) != 0; k++)
+            if ((s->count >> k) & 1)
+                total[c] = s->level[k] + total[c];
+    }
 }
 
 void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
@@ -283,27 +302,44 @@ void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
             h[i] = float_to_half(f[i]);
 }
 
-/* `count` scratch rows of n floats, each starting 64 bytes after a multiple of the first. */
-static float *float_rows(int count, ptrdiff_t n)
+/* Scratch for float16 rows: `arrays` arrays of two float rows, each `stride` floats (a
+ * multiple of 16) apart; array a, row j at scratch + (2 a + j) stride. */
+static float *float_rows(int arrays, ptrdiff_t n, ptrdiff_t *stride)
 {
-    if (n > PTRDIFF_MAX / 64 / count)
+    *stride = (n + 15) / 16 * 16;
+    if (n > PTRDIFF_MAX / 64 / arrays)
         return NULL;
-    return malloc(((size_t)count * (size_t)((n + 15) / 16 * 16) + 1) * sizeof(float));
+    return malloc(((size_t)arrays * 2 * (size_t)*stride + 1) * sizeof(float));
 }
-#define ROW(s, k, n) ((s) + (k) * (((n) + 15) / 16 * 16))
+
+/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a. */
+static void rows_in(const uint16_t *a, ptrdiff_t ld, float *f, ptrdiff_t stride, int k,
+                    ptrdiff_t n)
+{
+    for (int j = 0; j < k; j++)
+        norms_half_to_float(a + j * ld, f + j * stride, n);
+}
+
+static void rows_out(const float *f, ptrdiff_t stride, uint16_t *a, int k, ptrdiff_t n)
+{
+    for (int j = 0; j < k; j++)
+        norms_float_to_half(f + j * stride, a + j * n, n);
+}
 
 NORMS_KERNEL int layer_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const float *weight,
                                         const float *bias, uint16_t *y, float *mean,
                                         float *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
 {
-    float *s = float_rows(2, n);
+    ptrdiff_t st;
+    float *s = float_rows(2, n, &st);
     if (!s)
         return 1;
-    float *yf = ROW(s, 1, n);
-    for (ptrdiff_t r = 0; r < m; r++) {
-        norms_half_to_float(x + r * ldx, s, n);
-        layer_norm_forward_row_f32(s, weight, bias, yf, mean + r, rstd + r, n, eps);
-        norms_float_to_half(yf, y + r * n, n);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        k = rows_at(r, m, n);
+        rows_in(x + r * ldx, ldx, s, st, k, n);
+        layer_norm_forward_rows_f32(k, s, st, weight, bias, s + 2 * st, st, mean + r, rstd + r,
+                                    n, eps);
+        rows_out(s + 2 * st, st, y + r * n, k, n);
     }
     free(s);
     return 0;
@@ -315,17 +351,18 @@ NORMS_KERNEL int layer_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, con
                                          double *dweight_blocks, double *dbias_blocks,
                                          ptrdiff_t m, ptrdiff_t n)
 {
-    float *s = float_rows(3, n);
+    ptrdiff_t st;
+    float *s = float_rows(3, n, &st);
     if (!s)
         return 1;
-    float *xf = ROW(s, 1, n), *dxf = ROW(s, 2, n);
-    for (ptrdiff_t r = 0; r < m; r++) {
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
-        norms_half_to_float(dy + r * lddy, s, n);
-        norms_half_to_float(x + r * ldx, xf, n);
-        layer_norm_backward_row_f32(s, xf, mean[r], rstd[r], weight, dxf, dweight_blocks + b,
-                                    dbias_blocks + b, n);
-        norms_float_to_half(dxf, dx + r * n, n);
+        k = rows_at(r, m, n);
+        rows_in(dy + r * lddy, lddy, s, st, k, n);
+        rows_in(x + r * ldx, ldx, s + 2 * st, st, k, n);
+        layer_norm_backward_rows_f32(k, s, st, s + 2 * st, st, mean + r, rstd + r, weight,
+                                     s + 4 * st, st, dweight_blocks + b, dbias_blocks + b, n);
+        rows_out(s + 4 * st, st, dx + r * n, k, n);
     }
     free(s);
     return 0;
@@ -335,14 +372,15 @@ NORMS_KERNEL int rms_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const fl
                                       uint16_t *y, float *rstd, ptrdiff_t m, ptrdiff_t n,
                                       double eps)
 {
-    float *s = float_rows(2, n);
+    ptrdiff_t st;
+    float *s = float_rows(2, n, &st);
     if (!s)
         return 1;
-    float *yf = ROW(s, 1, n);
-    for (ptrdiff_t r = 0; r < m; r++) {
-        norms_half_to_float(x + r * ldx, s, n);
-        rms_norm_forward_row_f32(s, weight, yf, rstd + r, n, eps);
-        norms_float_to_half(yf, y + r * n, n);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        k = rows_at(r, m, n);
+        rows_in(x + r * ldx, ldx, s, st, k, n);
+        rms_norm_forward_rows_f32(k, s, st, weight, s + 2 * st, st, rstd + r, n, eps);
+        rows_out(s + 2 * st, st, y + r * n, k, n);
     }
     free(s);
     return 0;
@@ -353,16 +391,17 @@ NORMS_KERNEL int rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const
                                        uint16_t *dx, double *dweight_blocks, ptrdiff_t m,
                                        ptrdiff_t n)
 {
-    float *s = float_rows(3, n);
+    ptrdiff_t st;
+    float *s = float_rows(3, n, &st);
     if (!s)
         return 1;
-    float *xf = ROW(s, 1, n), *dxf = ROW(s, 2, n);
-    for (ptrdiff_t r = 0; r < m; r++) {
-        norms_half_to_float(dy + r * lddy, s, n);
-        norms_half_to_float(x + r * ldx, xf, n);
-        rms_norm_backward_row_f32(s, xf, rstd[r], weight, dxf,
-                                  dweight_blocks + r / NORMS_BLOCK_ROWS * n, n);
-        norms_float_to_half(dxf, dx + r * n, n);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        k = rows_at(r, m, n);
+        rows_in(dy + r * lddy, lddy, s, st, k, n);
+        rows_in(x + r * ldx, ldx, s + 2 * st, st, k, n);
+        rms_norm_backward_rows_f32(k, s, st, s + 2 * st, st, rstd + r, weight, s + 4 * st, st,
+                                   dweight_blocks + r / NORMS_BLOCK_ROWS * n, n);
+        rows_out(s + 4 * st, st, dx + r * n, k, n);
     }
     free(s);
     return 0;
@@ -370,7 +409,7 @@ NORMS_KERNEL int rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const
 
 /* The fused residual add with float16 x, y, dy (norms.h): the add in float, h rounded once to
  * its type (the float sum of two float16 values rounds to the float16 nearest their exact
- * sum, as NumPy adds float16), then the float16 kernels' steps on the row of h. All float16
+ * sum, as NumPy adds float16), then the float16 kernels' steps on the rows of h. All float16
  * (f16): h, dh, dsum float16, dsum = float16(float16(dx) + dh). Float stream (f16f32): h, dh,
  * dsum float, streamed as in the typed versions. */
 static int fused_forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
@@ -378,22 +417,25 @@ static int fused_forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const ui
                              uint16_t *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
                              double eps)
 {
-    float *s = float_rows(3, n);
+    ptrdiff_t st;
+    float *s = float_rows(3, n, &st), *rf = s + 2 * st, *yf = s + 4 * st;
     if (!s)
         return 1;
-    float *rf = ROW(s, 1, n), *yf = ROW(s, 2, n);
-    for (ptrdiff_t r = 0; r < m; r++) {
-        norms_half_to_float(x + r * ldx, s, n);
-        norms_half_to_float(residual + r * ldr, rf, n);
-        for (ptrdiff_t i = 0; i < n; i++)
-            s[i] = rf[i] + s[i];
-        norms_float_to_half(s, h + r * n, n);
-        norms_half_to_float(h + r * n, s, n);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        k = rows_at(r, m, n);
+        rows_in(x + r * ldx, ldx, s, st, k, n);
+        rows_in(residual + r * ldr, ldr, rf, st, k, n);
+        for (ptrdiff_t j = 0; j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                s[j * st + i] = rf[j * st + i] + s[j * st + i];
+        rows_out(s, st, h + r * n, k, n);
+        rows_in(h + r * n, n, s, st, k, n);
         if (rms)
-            rms_norm_forward_row_f32(s, weight, yf, rstd + r, n, eps);
+            rms_norm_forward_rows_f32(k, s, st, weight, yf, st, rstd + r, n, eps);
         else
-            layer_norm_forward_row_f32(s, weight, bias, yf, mean + r, rstd + r, n, eps);
-        norms_float_to_half(yf, y + r * n, n);
+            layer_norm_forward_rows_f32(k, s, st, weight, bias, yf, st, mean + r, rstd + r, n,
+                                        eps);
+        rows_out(yf, st, y + r * n, k, n);
     }
     free(s);
     return 0;
@@ -405,26 +447,29 @@ static int fused_backward_f16(int rms, const uint16_t *dy, ptrdiff_t lddy, const
                               double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
                               ptrdiff_t n)
 {
-    float *s = float_rows(3, n);
+    ptrdiff_t st;
+    float *s = float_rows(3, n, &st), *hf = s + 2 * st, *d = s + 4 * st;
     if (!s)
         return 1;
-    float *hf = ROW(s, 1, n), *d = ROW(s, 2, n);
-    for (ptrdiff_t r = 0; r < m; r++) {
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
-        norms_half_to_float(dy + r * lddy, s, n);
-        norms_half_to_float(h + r * ldh, hf, n);
+        k = rows_at(r, m, n);
+        rows_in(dy + r * lddy, lddy, s, st, k, n);
+        rows_in(h + r * ldh, ldh, hf, st, k, n);
         if (rms)
-            rms_norm_backward_row_f32(s, hf, rstd[r], weight, d, dweight_blocks + b, n);
+            rms_norm_backward_rows_f32(k, s, st, hf, st, rstd + r, weight, d, st,
+                                       dweight_blocks + b, n);
         else
-            layer_norm_backward_row_f32(s, hf, mean[r], rstd[r], weight, d, dweight_blocks + b,
-                                        dbias_blocks + b, n);
-        norms_float_to_half(d, dsum + r * n, n);
+            layer_norm_backward_rows_f32(k, s, st, hf, st, mean + r, rstd + r, weight, d, st,
+                                         dweight_blocks + b, dbias_blocks + b, n);
+        rows_out(d, st, dsum + r * n, k, n);
         if (dh) {
-            norms_half_to_float(dsum + r * n, d, n);
-            norms_half_to_float(dh + r * lddh, s, n);
-            for (ptrdiff_t i = 0; i < n; i++)
-                d[i] = d[i] + s[i];
-            norms_float_to_half(d, dsum + r * n, n);
+            rows_in(dsum + r * n, n, d, st, k, n);
+            rows_in(dh + r * lddh, lddh, s, st, k, n);
+            for (ptrdiff_t j = 0; j < k; j++)
+                for (ptrdiff_t i = 0; i < n; i++)
+                    d[j * st + i] = d[j * st + i] + s[j * st + i];
+            rows_out(d, st, dsum + r * n, k, n);
         }
     }
     free(s);
@@ -436,25 +481,28 @@ static int fused_forward_f16f32(int rms, const uint16_t *x, ptrdiff_t ldx, const
                                 uint16_t *y, float *h, float *mean, float *rstd, ptrdiff_t m,
                                 ptrdiff_t n, double eps)
 {
-    float *s = float_rows(2, n), *hs = stream_scratch(m, n, sizeof(float), 1);
+    ptrdiff_t st;
+    float *s = float_rows(2, n, &st), *yf = s + 2 * st;
+    float *hs = stream_scratch(m, n, sizeof(float), 2);
     if (!s) {
         free(hs);
         return 1;
     }
-    float *yf = ROW(s, 1, n);
-    for (ptrdiff_t r = 0; r < m; r++) {
-        const float *rr = residual + r * ldr;
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
         float *hr = hs ? hs : h + r * n;
-        norms_half_to_float(x + r * ldx, s, n);
-        for (ptrdiff_t i = 0; i < n; i++)
-            hr[i] = rr[i] + s[i];
+        k = rows_at(r, m, n);
+        rows_in(x + r * ldx, ldx, s, st, k, n);
+        for (ptrdiff_t j = 0; j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                hr[j * n + i] = residual[(r + j) * ldr + i] + s[j * st + i];
         if (rms)
-            rms_norm_forward_row_f32(hr, weight, yf, rstd + r, n, eps);
+            rms_norm_forward_rows_f32(k, hr, n, weight, yf, st, rstd + r, n, eps);
         else
-            layer_norm_forward_row_f32(hr, weight, bias, yf, mean + r, rstd + r, n, eps);
-        norms_float_to_half(yf, y + r * n, n);
+            layer_norm_forward_rows_f32(k, hr, n, weight, bias, yf, st, mean + r, rstd + r, n,
+                                        eps);
+        rows_out(yf, st, y + r * n, k, n);
         if (hs)
-            stream_copy(h + r * n, hr, n, sizeof(float));
+            stream_copy(h + r * n, hr, k * n, sizeof(float));
     }
     free(s);
     stream_end(hs);
@@ -467,24 +515,28 @@ static int fused_backward_f16f32(int rms, const uint16_t *dy, ptrdiff_t lddy, co
                                  double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
                                  ptrdiff_t n)
 {
-    float *s = float_rows(1, n), *ds = stream_scratch(m, n, sizeof(float), 1);
+    ptrdiff_t st;
+    float *s = float_rows(1, n, &st), *ds = stream_scratch(m, n, sizeof(float), 2);
     if (!s) {
         free(ds);
         return 1;
     }
-    for (ptrdiff_t r = 0; r < m; r++) {
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
         float *d = ds ? ds : dsum + r * n;
-        norms_half_to_float(dy + r * lddy, s, n);
+        k = rows_at(r, m, n);
+        rows_in(dy + r * lddy, lddy, s, st, k, n);
         if (rms)
-            rms_norm_backward_row_f32(s, h + r * ldh, rstd[r], weight, d, dweight_blocks + b, n);
+            rms_norm_backward_rows_f32(k, s, st, h + r * ldh, ldh, rstd + r, weight, d, n,
+                                       dweight_blocks + b, n);
         else
-            layer_norm_backward_row_f32(s, h + r * ldh, mean[r], rstd[r], weight, d,
-                                        dweight_blocks + b, dbias_blocks + b, n);
-        for (ptrdiff_t i = 0; dh && i < n; i++)
-            d[i] = d[i] + dh[r * lddh + i];
+            layer_norm_backward_rows_f32(k, s, st, h + r * ldh, ldh, mean + r, rstd + r, weight,
+                                         d, n, dweight_blocks + b, dbias_blocks + b, n);
+        for (ptrdiff_t j = 0; dh && j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                d[j * n + i] = d[j * n + i] + dh[(r + j) * lddh + i];
         if (ds)
-            stream_copy(dsum + r * n, d, n, sizeof(float));
+            stream_copy(dsum + r * n, d, k * n, sizeof(float));
     }
     free(s);
     stream_end(ds);

@@ -20,179 +20,255 @@ static double FN(lanes_total)(const T a[LANES])
     return s[0];
 }
 
-/* The passes' sums over a row: sum of x; of d = x - shift and of d^2; of x^2; of
- * g = dy weight and of g (x - shift); of g x. */
-static double FN(row_sum)(const T *x, ptrdiff_t n)
+/* The block's lanes of `count` sums, each added to its pairwise total. */
+static void FN(blocks_add)(struct pairwise *s, T a[][LANES], int count)
 {
-    struct pairwise s = {0};
-    for (ptrdiff_t b = 0; b < n; b += BLOCK) {
-        ptrdiff_t end = b + block_len(b, n), i = b;
-        T a[LANES] = {0};
-        for (; i + LANES <= end; i += LANES)
-#pragma GCC unroll 8
-            for (int k = 0; k < LANES; k++)
-                a[k] += x[i + k];
-        for (int k = 0; i < end; i++, k++)
-            a[k] += x[i];
-        pairwise_add(&s, FN(lanes_total)(a));
-    }
-    return pairwise_total(&s);
+    for (int c = 0; c < count; c++)
+        pairwise_add(&s[c], FN(lanes_total)(a[c]));
 }
 
-static void FN(row_sums_dev)(const T *x, ptrdiff_t n, T shift, double *sum_d, double *sum_dd)
+/* The sums of a pass over rows a and b at once, the same block of both in one loop, so that
+ * the processor works on the two rows' chains of additions side by side (b may be a). Each
+ * row's sums are the same alone or in a pair. sum[0], sum[1]: rows a and b; the passes with
+ * two sums put the second in sum[2], sum[3]. The unroll pragma keeps the lane loop for the
+ * vectoriser (fully unrolled first, GCC would make the block loop in-order reductions). */
+static void FN(row_sum)(const T *xa, const T *xb, ptrdiff_t n, double sum[2])
 {
-    struct pairwise s = {0}, ss = {0};
-    for (ptrdiff_t b = 0; b < n; b += BLOCK) {
-        ptrdiff_t end = b + block_len(b, n), i = b;
-        T a[LANES] = {0}, aa[LANES] = {0};
+    struct pairwise s[2];
+    pairwise_start(s, 2);
+    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
+        ptrdiff_t end = start + block_len(start, n), i = start;
+        T a[2][LANES] = {{0}};
         for (; i + LANES <= end; i += LANES)
 #pragma GCC unroll 8
             for (int k = 0; k < LANES; k++) {
-                T d = x[i + k] - shift;
-                a[k] += d;
-                aa[k] += d * d;
+                a[0][k] += xa[i + k];
+                a[1][k] += xb[i + k];
             }
         for (int k = 0; i < end; i++, k++) {
-            T d = x[i] - shift;
-            a[k] += d;
-            aa[k] += d * d;
+            a[0][k] += xa[i];
+            a[1][k] += xb[i];
         }
-        pairwise_add(&s, FN(lanes_total)(a));
-        pairwise_add(&ss, FN(lanes_total)(aa));
+        FN(blocks_add)(s, a, 2);
     }
-    *sum_d = pairwise_total(&s);
-    *sum_dd = pairwise_total(&ss);
+    pairwise_totals(s, 2, sum);
 }
 
-static double FN(row_sum_sq)(const T *x, ptrdiff_t n)
+/* Sums of d = x - shift and of d^2. */
+static void FN(row_sums_dev)(const T *xa, const T *xb, ptrdiff_t n, const T shift[2],
+                             double sum[4])
 {
-    struct pairwise s = {0};
-    for (ptrdiff_t b = 0; b < n; b += BLOCK) {
-        ptrdiff_t end = b + block_len(b, n), i = b;
-        T a[LANES] = {0};
-        for (; i + LANES <= end; i += LANES)
-#pragma GCC unroll 8
-            for (int k = 0; k < LANES; k++)
-                a[k] += x[i + k] * x[i + k];
-        for (int k = 0; i < end; i++, k++)
-            a[k] += x[i] * x[i];
-        pairwise_add(&s, FN(lanes_total)(a));
-    }
-    return pairwise_total(&s);
-}
-
-static void FN(row_sums_g)(const T *dy, const T *weight, const T *x, ptrdiff_t n, T shift,
-                           double *sum_g, double *sum_gxc)
-{
-    struct pairwise s = {0}, sx = {0};
-    for (ptrdiff_t b = 0; b < n; b += BLOCK) {
-        ptrdiff_t end = b + block_len(b, n), i = b;
-        T a[LANES] = {0}, ax[LANES] = {0};
+    struct pairwise s[4];
+    pairwise_start(s, 4);
+    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
+        ptrdiff_t end = start + block_len(start, n), i = start;
+        T a[4][LANES] = {{0}};
         for (; i + LANES <= end; i += LANES)
 #pragma GCC unroll 8
             for (int k = 0; k < LANES; k++) {
-                T g = dy[i + k] * weight[i + k];
-                a[k] += g;
-                ax[k] += g * (x[i + k] - shift);
+                T da = xa[i + k] - shift[0], db = xb[i + k] - shift[1];
+                a[0][k] += da;
+                a[1][k] += db;
+                a[2][k] += da * da;
+                a[3][k] += db * db;
             }
         for (int k = 0; i < end; i++, k++) {
-            T g = dy[i] * weight[i];
-            a[k] += g;
-            ax[k] += g * (x[i] - shift);
+            T da = xa[i] - shift[0], db = xb[i] - shift[1];
+            a[0][k] += da;
+            a[1][k] += db;
+            a[2][k] += da * da;
+            a[3][k] += db * db;
         }
-        pairwise_add(&s, FN(lanes_total)(a));
-        pairwise_add(&sx, FN(lanes_total)(ax));
+        FN(blocks_add)(s, a, 4);
     }
-    *sum_g = pairwise_total(&s);
-    *sum_gxc = pairwise_total(&sx);
+    pairwise_totals(s, 4, sum);
 }
 
-static double FN(row_sum_gx)(const T *dy, const T *weight, const T *x, ptrdiff_t n)
+/* Sum of x^2. */
+static void FN(row_sum_sq)(const T *xa, const T *xb, ptrdiff_t n, double sum[2])
 {
-    struct pairwise s = {0};
-    for (ptrdiff_t b = 0; b < n; b += BLOCK) {
-        ptrdiff_t end = b + block_len(b, n), i = b;
-        T a[LANES] = {0};
+    struct pairwise s[2];
+    pairwise_start(s, 2);
+    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
+        ptrdiff_t end = start + block_len(start, n), i = start;
+        T a[2][LANES] = {{0}};
         for (; i + LANES <= end; i += LANES)
 #pragma GCC unroll 8
-            for (int k = 0; k < LANES; k++)
-                a[k] += dy[i + k] * weight[i + k] * x[i + k];
-        for (int k = 0; i < end; i++, k++)
-            a[k] += dy[i] * weight[i] * x[i];
-        pairwise_add(&s, FN(lanes_total)(a));
+            for (int k = 0; k < LANES; k++) {
+                a[0][k] += xa[i + k] * xa[i + k];
+                a[1][k] += xb[i + k] * xb[i + k];
+            }
+        for (int k = 0; i < end; i++, k++) {
+            a[0][k] += xa[i] * xa[i];
+            a[1][k] += xb[i] * xb[i];
+        }
+        FN(blocks_add)(s, a, 2);
     }
-    return pairwise_total(&s);
+    pairwise_totals(s, 2, sum);
 }
+
+/* Sums of g = dy weight and of g (x - shift). */
+static void FN(row_sums_g)(const T *dya, const T *dyb, const T *weight, const T *xa,
+                           const T *xb, ptrdiff_t n, const T shift[2], double sum[4])
+{
+    struct pairwise s[4];
+    pairwise_start(s, 4);
+    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
+        ptrdiff_t end = start + block_len(start, n), i = start;
+        T a[4][LANES] = {{0}};
+        for (; i + LANES <= end; i += LANES)
+#pragma GCC unroll 8
+            for (int k = 0; k < LANES; k++) {
+                T ga = dya[i + k] * weight[i + k], gb = dyb[i + k] * weight[i + k];
+                a[0][k] += ga;
+                a[1][k] += gb;
+                a[2][k] += ga * (xa[i + k] - shift[0]);
+                a[3][k] += gb * (xb[i + k] - shift[1]);
+            }
+        for (int k = 0; i < end; i++, k++) {
+            T ga = dya[i] * weight[i], gb = dyb[i] * weight[i];
+            a[0][k] += ga;
+            a[1][k] += gb;
+            a[2][k] += ga * (xa[i] - shift[0]);
+            a[3][k] += gb * (xb[i] - shift[1]);
+        }
+        FN(blocks_add)(s, a, 4);
+    }
+    pairwise_totals(s, 4, sum);
+}
+
+/* Sum of g x, g = dy weight. */
+static void FN(row_sum_gx)(const T *dya, const T *dyb, const T *weight, const T *xa,
+                           const T *xb, ptrdiff_t n, double sum[2])
+{
+    struct pairwise s[2];
+    pairwise_start(s, 2);
+    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
+        ptrdiff_t end = start + block_len(start, n), i = start;
+        T a[2][LANES] = {{0}};
+        for (; i + LANES <= end; i += LANES)
+#pragma GCC unroll 8
+            for (int k = 0; k < LANES; k++) {
+                a[0][k] += dya[i + k] * weight[i + k] * xa[i + k];
+                a[1][k] += dyb[i + k] * weight[i + k] * xb[i + k];
+            }
+        for (int k = 0; i < end; i++, k++) {
+            a[0][k] += dya[i] * weight[i] * xa[i];
+            a[1][k] += dyb[i] * weight[i] * xb[i];
+        }
+        FN(blocks_add)(s, a, 2);
+    }
+    pairwise_totals(s, 2, sum);
+}
+
+/* The row functions take k = 1 or 2 rows (rows_at), ld elements apart: the passes of sums over
+ * both at once, then the pass that writes y or dx row after row. */
 
 /* [listing: layer-norm-row] (chapter 5 shows from here to its end marker) */
 /* Two-pass statistics: a first mean mu0, then the sums of d = x - mu0 and of d^2, whose mean
  * corrects mu0 and whose variance is taken about the corrected mean (Chan, Golub and
  * LeVeque, 1983), never E[x^2] - E[x]^2. Then y. */
-static void FN(layer_norm_forward_row)(const T *x, const T *weight, const T *bias, T *y,
-                                       T *mean, T *rstd, ptrdiff_t n, double eps)
+static void FN(layer_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const T *weight,
+                                        const T *bias, T *restrict y, ptrdiff_t ldy, T *mean,
+                                        T *rstd, ptrdiff_t n, double eps)
 {
-    T mu0 = (T)(FN(row_sum)(x, n) / n);
-    double sum_d, sum_dd;
-    FN(row_sums_dev)(x, n, mu0, &sum_d, &sum_dd);
-    double delta = sum_d / n, var = sum_dd / n - delta * delta;
-    T mu = (T)(mu0 + delta), rs = (T)(1 / sqrt(var + eps));
-    for (ptrdiff_t i = 0; i < n; i++)
-        y[i] = (x[i] - mu) * rs * weight[i] + bias[i];
-    *mean = mu;
-    *rstd = rs;
+    double s[4];
+    FN(row_sum)(x, x + (k - 1) * ldx, n, s);
+    T mu0[2] = {(T)(s[0] / n), (T)(s[1] / n)};
+    FN(row_sums_dev)(x, x + (k - 1) * ldx, n, mu0, s);
+    for (int j = 0; j < k; j++, x += ldx, y += ldy) {
+        double delta = s[j] / n, var = s[2 + j] / n - delta * delta;
+        T mu = (T)(mu0[j] + delta), rs = (T)(1 / sqrt(var + eps));
+        for (ptrdiff_t i = 0; i < n; i++)
+            y[i] = (x[i] - mu) * rs * weight[i] + bias[i];
+        mean[j] = mu;
+        rstd[j] = rs;
+    }
 }
 /* [end listing: layer-norm-row] */
 
 /* dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy weight; adds dy xhat and dy to the
- * row block's column sums dweight and dbias. */
-static void FN(layer_norm_backward_row)(const T *dy, const T *x, T mean, T rstd,
-                                        const T *weight, T *dx, double *dweight,
-                                        double *dbias, ptrdiff_t n)
+ * row block's column sums dweight and dbias, row a's term before row b's (one load and store
+ * of each column sum for both rows). */
+static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const T *x,
+                                         ptrdiff_t ldx, const T *mean, const T *rstd,
+                                         const T *weight, T *restrict dx, ptrdiff_t lddx,
+                                         double *restrict dweight, double *restrict dbias,
+                                         ptrdiff_t n)
 {
-    double sum_g, sum_gxc;
-    FN(row_sums_g)(dy, weight, x, n, mean, &sum_g, &sum_gxc);
-    T mean_g = (T)(sum_g / n), mean_gxhat = (T)(sum_gxc * rstd / n);
+    double s[4];
+    const T shift[2] = {mean[0], mean[k - 1]}, rs[2] = {rstd[0], rstd[k - 1]};
+    FN(row_sums_g)(dy, dy + (k - 1) * lddy, weight, x, x + (k - 1) * ldx, n, shift, s);
+    T g[2], gx[2];
+    for (int j = 0; j < 2; j++) {
+        g[j] = (T)(s[j] / n);
+        gx[j] = (T)(s[2 + j] * rs[j] / n);
+    }
     for (ptrdiff_t i = 0; i < n; i++) {
-        T xhat = (x[i] - mean) * rstd;
-        dx[i] = rstd * (dy[i] * weight[i] - mean_g - xhat * mean_gxhat);
-        dweight[i] += dy[i] * xhat;
-        dbias[i] += dy[i];
+        T xhat = (x[i] - shift[0]) * rs[0];
+        dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat * gx[0]);
+        double dw = dweight[i] + dy[i] * xhat, db = dbias[i] + dy[i];
+        if (k == 2) {
+            T xhat_b = (x[ldx + i] - shift[1]) * rs[1];
+            dx[lddx + i] = rs[1] * (dy[lddy + i] * weight[i] - g[1] - xhat_b * gx[1]);
+            dw += dy[lddy + i] * xhat_b;
+            db += dy[lddy + i];
+        }
+        dweight[i] = dw;
+        dbias[i] = db;
     }
 }
 
-static void FN(rms_norm_forward_row)(const T *x, const T *weight, T *y, T *rstd, ptrdiff_t n,
-                                     double eps)
+static void FN(rms_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const T *weight,
+                                      T *restrict y, ptrdiff_t ldy, T *rstd, ptrdiff_t n,
+                                      double eps)
 {
-    T rs = (T)(1 / sqrt(FN(row_sum_sq)(x, n) / n + eps));
-    for (ptrdiff_t i = 0; i < n; i++)
-        y[i] = x[i] * rs * weight[i];
-    *rstd = rs;
-}
-
-/* dx = rstd (g - xhat mean(g xhat)), xhat = x rstd; adds dy xhat to dweight. */
-static void FN(rms_norm_backward_row)(const T *dy, const T *x, T rstd, const T *weight, T *dx,
-                                      double *dweight, ptrdiff_t n)
-{
-    T mean_gxhat = (T)(FN(row_sum_gx)(dy, weight, x, n) * rstd / n);
-    for (ptrdiff_t i = 0; i < n; i++) {
-        T xhat = x[i] * rstd;
-        dx[i] = rstd * (dy[i] * weight[i] - xhat * mean_gxhat);
-        dweight[i] += dy[i] * xhat;
+    double s[2];
+    FN(row_sum_sq)(x, x + (k - 1) * ldx, n, s);
+    for (int j = 0; j < k; j++, x += ldx, y += ldy) {
+        T rs = (T)(1 / sqrt(s[j] / n + eps));
+        for (ptrdiff_t i = 0; i < n; i++)
+            y[i] = x[i] * rs * weight[i];
+        rstd[j] = rs;
     }
 }
 
-/* The exported kernels (norms.h): row after row; a large output is made row by row in
- * scratch and streamed to memory (stream_scratch). */
+/* dx = rstd (g - xhat mean(g xhat)), xhat = x rstd; adds dy xhat to dweight, as above. */
+static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const T *x,
+                                       ptrdiff_t ldx, const T *rstd, const T *weight,
+                                       T *restrict dx, ptrdiff_t lddx, double *restrict dweight,
+                                       ptrdiff_t n)
+{
+    double s[2];
+    const T rs[2] = {rstd[0], rstd[k - 1]};
+    FN(row_sum_gx)(dy, dy + (k - 1) * lddy, weight, x, x + (k - 1) * ldx, n, s);
+    const T gx[2] = {(T)(s[0] * rs[0] / n), (T)(s[1] * rs[1] / n)};
+    for (ptrdiff_t i = 0; i < n; i++) {
+        T xhat = x[i] * rs[0];
+        dx[i] = rs[0] * (dy[i] * weight[i] - xhat * gx[0]);
+        double dw = dweight[i] + dy[i] * xhat;
+        if (k == 2) {
+            T xhat_b = x[ldx + i] * rs[1];
+            dx[lddx + i] = rs[1] * (dy[lddy + i] * weight[i] - xhat_b * gx[1]);
+            dw += dy[lddy + i] * xhat_b;
+        }
+        dweight[i] = dw;
+    }
+}
+
+/* The exported kernels (norms.h): rows in pairs (rows_at); a large output is made in scratch,
+ * a pair of rows at a time, and streamed to memory (stream_scratch). */
 NORMS_KERNEL void FN(layer_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight,
                                          const T *bias, T *y, T *mean, T *rstd, ptrdiff_t m,
                                          ptrdiff_t n, double eps)
 {
-    T *s = stream_scratch(m, n, sizeof(T), 1);
-    for (ptrdiff_t r = 0; r < m; r++) {
-        FN(layer_norm_forward_row)(x + r * ldx, weight, bias, s ? s : y + r * n, mean + r,
-                                   rstd + r, n, eps);
+    T *s = stream_scratch(m, n, sizeof(T), 2);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        k = rows_at(r, m, n);
+        FN(layer_norm_forward_rows)(k, x + r * ldx, ldx, weight, bias, s ? s : y + r * n, n,
+                                    mean + r, rstd + r, n, eps);
         if (s)
-            stream_copy(y + r * n, s, n, sizeof(T));
+            stream_copy(y + r * n, s, k * n, sizeof(T));
     }
     stream_end(s);
 }
@@ -202,13 +278,15 @@ NORMS_KERNEL void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *
                                           double *dweight_blocks, double *dbias_blocks,
                                           ptrdiff_t m, ptrdiff_t n)
 {
-    T *s = stream_scratch(m, n, sizeof(T), 1);
-    for (ptrdiff_t r = 0; r < m; r++) {
+    T *s = stream_scratch(m, n, sizeof(T), 2);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
-        FN(layer_norm_backward_row)(dy + r * lddy, x + r * ldx, mean[r], rstd[r], weight,
-                                    s ? s : dx + r * n, dweight_blocks + b, dbias_blocks + b, n);
+        k = rows_at(r, m, n);
+        FN(layer_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, mean + r,
+                                     rstd + r, weight, s ? s : dx + r * n, n,
+                                     dweight_blocks + b, dbias_blocks + b, n);
         if (s)
-            stream_copy(dx + r * n, s, n, sizeof(T));
+            stream_copy(dx + r * n, s, k * n, sizeof(T));
     }
     stream_end(s);
 }
@@ -216,11 +294,13 @@ NORMS_KERNEL void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *
 NORMS_KERNEL void FN(rms_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight, T *y,
                                        T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
 {
-    T *s = stream_scratch(m, n, sizeof(T), 1);
-    for (ptrdiff_t r = 0; r < m; r++) {
-        FN(rms_norm_forward_row)(x + r * ldx, weight, s ? s : y + r * n, rstd + r, n, eps);
+    T *s = stream_scratch(m, n, sizeof(T), 2);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        k = rows_at(r, m, n);
+        FN(rms_norm_forward_rows)(k, x + r * ldx, ldx, weight, s ? s : y + r * n, n, rstd + r,
+                                  n, eps);
         if (s)
-            stream_copy(y + r * n, s, n, sizeof(T));
+            stream_copy(y + r * n, s, k * n, sizeof(T));
     }
     stream_end(s);
 }
@@ -229,37 +309,40 @@ NORMS_KERNEL void FN(rms_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x,
                                         const T *rstd, const T *weight, T *dx,
                                         double *dweight_blocks, ptrdiff_t m, ptrdiff_t n)
 {
-    T *s = stream_scratch(m, n, sizeof(T), 1);
-    for (ptrdiff_t r = 0; r < m; r++) {
-        FN(rms_norm_backward_row)(dy + r * lddy, x + r * ldx, rstd[r], weight,
-                                  s ? s : dx + r * n, dweight_blocks + r / NORMS_BLOCK_ROWS * n,
-                                  n);
+    T *s = stream_scratch(m, n, sizeof(T), 2);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        k = rows_at(r, m, n);
+        FN(rms_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, rstd + r, weight,
+                                   s ? s : dx + r * n, n,
+                                   dweight_blocks + r / NORMS_BLOCK_ROWS * n, n);
         if (s)
-            stream_copy(dx + r * n, s, n, sizeof(T));
+            stream_copy(dx + r * n, s, k * n, sizeof(T));
     }
     stream_end(s);
 }
 
-/* The fused residual add (norms.h), row by row: h = residual + x, then the norm of that row
- * of h while it is in L1; the backward's dsum = dx + dh on the row of dx just made. rms
- * selects RMSNorm (bias and mean unused). h and y, dsum streamed as in the kernels above. */
+/* The fused residual add (norms.h), a pair of rows at a time: h = residual + x, then the norm
+ * of those rows of h while they are in L1; the backward's dsum = dx + dh on the rows of dx
+ * just made. rms selects RMSNorm (bias and mean unused). Large outputs streamed as above. */
 static int FN(fused_forward)(int rms, const T *x, ptrdiff_t ldx, const T *residual,
                              ptrdiff_t ldr, const T *weight, const T *bias, T *y, T *h,
                              T *mean, T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
 {
-    T *s = stream_scratch(m, n, sizeof(T), 2);
-    for (ptrdiff_t r = 0; r < m; r++) {
-        const T *xr = x + r * ldx, *rr = residual + r * ldr;
-        T *hr = s ? s : h + r * n, *yr = s ? s + n : y + r * n;
-        for (ptrdiff_t i = 0; i < n; i++)
-            hr[i] = rr[i] + xr[i];
+    T *s = stream_scratch(m, n, sizeof(T), 4);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        k = rows_at(r, m, n);
+        T *hr = s ? s : h + r * n, *yr = s ? s + 2 * n : y + r * n;
+        for (ptrdiff_t j = 0; j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                hr[j * n + i] = residual[(r + j) * ldr + i] + x[(r + j) * ldx + i];
         if (rms)
-            FN(rms_norm_forward_row)(hr, weight, yr, rstd + r, n, eps);
+            FN(rms_norm_forward_rows)(k, hr, n, weight, yr, n, rstd + r, n, eps);
         else
-            FN(layer_norm_forward_row)(hr, weight, bias, yr, mean + r, rstd + r, n, eps);
+            FN(layer_norm_forward_rows)(k, hr, n, weight, bias, yr, n, mean + r, rstd + r, n,
+                                        eps);
         if (s) {
-            stream_copy(h + r * n, hr, n, sizeof(T));
-            stream_copy(y + r * n, yr, n, sizeof(T));
+            stream_copy(h + r * n, hr, k * n, sizeof(T));
+            stream_copy(y + r * n, yr, k * n, sizeof(T));
         }
     }
     stream_end(s);
@@ -271,20 +354,23 @@ static int FN(fused_backward)(int rms, const T *dy, ptrdiff_t lddy, const T *dh,
                               const T *weight, T *dsum, double *dweight_blocks,
                               double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)
 {
-    T *s = stream_scratch(m, n, sizeof(T), 1);
-    for (ptrdiff_t r = 0; r < m; r++) {
+    T *s = stream_scratch(m, n, sizeof(T), 2);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
         T *d = s ? s : dsum + r * n;
+        k = rows_at(r, m, n);
         if (rms)
-            FN(rms_norm_backward_row)(dy + r * lddy, h + r * ldh, rstd[r], weight, d,
-                                      dweight_blocks + b, n);
+            FN(rms_norm_backward_rows)(k, dy + r * lddy, lddy, h + r * ldh, ldh, rstd + r,
+                                       weight, d, n, dweight_blocks + b, n);
         else
-            FN(layer_norm_backward_row)(dy + r * lddy, h + r * ldh, mean[r], rstd[r], weight, d,
-                                        dweight_blocks + b, dbias_blocks + b, n);
-        for (ptrdiff_t i = 0; dh && i < n; i++)
-            d[i] = d[i] + dh[r * lddh + i];
+            FN(layer_norm_backward_rows)(k, dy + r * lddy, lddy, h + r * ldh, ldh, mean + r,
+                                         rstd + r, weight, d, n, dweight_blocks + b,
+                                         dbias_blocks + b, n);
+        for (ptrdiff_t j = 0; dh && j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                d[j * n + i] = d[j * n + i] + dh[(r + j) * lddh + i];
         if (s)
-            stream_copy(dsum + r * n, d, n, sizeof(T));
+            stream_copy(dsum + r * n, d, k * n, sizeof(T));
     }
     stream_end(s);
     return 0;
