@@ -204,18 +204,22 @@ static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, con
         g[j] = (T)(s[j] / n);
         gx[j] = (T)(s[2 + j] * rs[j] / n);
     }
-    for (ptrdiff_t i = 0; i < n; i++) {
-        T xhat = (x[i] - shift[0]) * rs[0];
-        dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat * gx[0]);
-        double dw = dweight[i] + dy[i] * xhat, db = dbias[i] + dy[i];
-        if (k == 2) {
-            T xhat_b = (x[ldx + i] - shift[1]) * rs[1];
-            dx[lddx + i] = rs[1] * (dy[lddy + i] * weight[i] - g[1] - xhat_b * gx[1]);
-            dw += dy[lddy + i] * xhat_b;
-            db += dy[lddy + i];
+    if (k == 1) { /* row a alone: the same pass (GCC would not split the loop below) */
+        for (ptrdiff_t i = 0; i < n; i++) {
+            T xhat = (x[i] - shift[0]) * rs[0];
+            dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat * gx[0]);
+            dweight[i] += dy[i] * xhat;
+            dbias[i] += dy[i];
         }
-        dweight[i] = dw;
-        dbias[i] = db;
+        return;
+    }
+    for (ptrdiff_t i = 0; i < n; i++) {
+        T xhat = (x[i] - shift[0]) * rs[0], xhat_b = (x[ldx + i] - shift[1]) * rs[1];
+        dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat * gx[0]);
+        dx[lddx + i] = rs[1] * (dy[lddy + i] * weight[i] - g[1] - xhat_b * gx[1]);
+        double dw = dweight[i] + dy[i] * xhat, db = dbias[i] + dy[i];
+        dweight[i] = dw + dy[lddy + i] * xhat_b;
+        dbias[i] = db + dy[lddy + i];
     }
 }
 
