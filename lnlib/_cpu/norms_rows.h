@@ -11,13 +11,15 @@
 /* The lanes added pairwise in float64: lane k + lane k + 8, then + 4, + 2, + 1. */
 static double FN(lanes_total)(const T a[LANES])
 {
-    double s[LANES];
-    for (int k = 0; k < LANES; k++)
-        s[k] = a[k];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int k = 0; k < w; k++)
-            s[k] += s[k + w];
-    return s[0];
+    double s[8];
+#pragma GCC unroll 2
+    for (int k = 0; k < 8; k++)
+        s[k] = (double)a[k] + (double)a[k + 8];
+    for (int k = 0; k < 4; k++)
+        s[k] += s[k + 4];
+    for (int k = 0; k < 2; k++)
+        s[k] += s[k + 2];
+    return s[0] + s[1];
 }
 
 /* The block's lanes of `count` sums, each added to its pairwise total. */
