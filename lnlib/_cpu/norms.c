@@ -169,6 +169,34 @@ static void stream_end(void *scratch)
     free(scratch);
 }
 
+/* The skeleton of a pass over the rows (norms_rows.h): per block, the lanes a[c] of `count`
+ * sums, to which the statements `...` add element e to lane k (element i of the block to lane
+ * i % LANES, the last short group's element k to lane k); then each block's lanes are added,
+ * in float64, to the sum's pairwise total, and the totals go to sum[]. The unroll pragma keeps
+ * the lane loop for the vectoriser (fully unrolled first, GCC would make the block loop
+ * in-order reductions). */
+#define LANE_PASS(count, n, sum, ...)                                                          \
+    do {                                                                                       \
+        struct pairwise s_[count];                                                             \
+        pairwise_start(s_, count);                                                             \
+        for (ptrdiff_t start = 0; start < (n); start += BLOCK) {                               \
+            ptrdiff_t end = start + block_len(start, (n)), i = start;                          \
+            T a[count][LANES] = {{0}};                                                         \
+            for (; i + LANES <= end; i += LANES)                                               \
+                _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                        \
+                {                                                                              \
+                    const ptrdiff_t e = i + k;                                                 \
+                    __VA_ARGS__                                                                \
+                }                                                                              \
+            for (int k = 0; i < end; i++, k++) {                                               \
+                const ptrdiff_t e = i;                                                         \
+                __VA_ARGS__                                                                    \
+            }                                                                                  \
+            FN(blocks_add)(s_, a, count);                                                      \
+        }                                                                                      \
+        pairwise_totals(s_, count, sum);                                                       \
+    } while (0)
+
 #define T float
 #define FN(name) name##_f32
 #include "norms_rows.h"
@@ -326,96 +354,14 @@ static void rows_out(const float *f, ptrdiff_t stride, uint16_t *a, int k, ptrdi
         norms_float_to_half(f + j * stride, a + j * n, n);
 }
 
-NORMS_KERNEL int layer_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const float *weight,
-                                        const float *bias, uint16_t *y, float *mean,
-                                        float *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
-{
-    ptrdiff_t st;
-    float *s = float_rows(2, n, &st);
-    if (!s)
-        return 1;
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        k = rows_at(r, m, n);
-        rows_in(x + r * ldx, ldx, s, st, k, n);
-        layer_norm_forward_rows_f32(k, s, st, weight, bias, s + 2 * st, st, mean + r, rstd + r,
-                                    n, eps);
-        rows_out(s + 2 * st, st, y + r * n, k, n);
-    }
-    free(s);
-    return 0;
-}
-
-NORMS_KERNEL int layer_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *x,
-                                         ptrdiff_t ldx, const float *mean, const float *rstd,
-                                         const float *weight, uint16_t *dx,
-                                         double *dweight_blocks, double *dbias_blocks,
-                                         ptrdiff_t m, ptrdiff_t n)
-{
-    ptrdiff_t st;
-    float *s = float_rows(3, n, &st);
-    if (!s)
-        return 1;
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
-        k = rows_at(r, m, n);
-        rows_in(dy + r * lddy, lddy, s, st, k, n);
-        rows_in(x + r * ldx, ldx, s + 2 * st, st, k, n);
-        layer_norm_backward_rows_f32(k, s, st, s + 2 * st, st, mean + r, rstd + r, weight,
-                                     s + 4 * st, st, dweight_blocks + b, dbias_blocks + b, n);
-        rows_out(s + 4 * st, st, dx + r * n, k, n);
-    }
-    free(s);
-    return 0;
-}
-
-NORMS_KERNEL int rms_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const float *weight,
-                                      uint16_t *y, float *rstd, ptrdiff_t m, ptrdiff_t n,
-                                      double eps)
-{
-    ptrdiff_t st;
-    float *s = float_rows(2, n, &st);
-    if (!s)
-        return 1;
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        k = rows_at(r, m, n);
-        rows_in(x + r * ldx, ldx, s, st, k, n);
-        rms_norm_forward_rows_f32(k, s, st, weight, s + 2 * st, st, rstd + r, n, eps);
-        rows_out(s + 2 * st, st, y + r * n, k, n);
-    }
-    free(s);
-    return 0;
-}
-
-NORMS_KERNEL int rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *x,
-                                       ptrdiff_t ldx, const float *rstd, const float *weight,
-                                       uint16_t *dx, double *dweight_blocks, ptrdiff_t m,
-                                       ptrdiff_t n)
-{
-    ptrdiff_t st;
-    float *s = float_rows(3, n, &st);
-    if (!s)
-        return 1;
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        k = rows_at(r, m, n);
-        rows_in(dy + r * lddy, lddy, s, st, k, n);
-        rows_in(x + r * ldx, ldx, s + 2 * st, st, k, n);
-        rms_norm_backward_rows_f32(k, s, st, s + 2 * st, st, rstd + r, weight, s + 4 * st, st,
-                                   dweight_blocks + r / NORMS_BLOCK_ROWS * n, n);
-        rows_out(s + 4 * st, st, dx + r * n, k, n);
-    }
-    free(s);
-    return 0;
-}
-
-/* The fused residual add with float16 x, y, dy (norms.h): the add in float, h rounded once to
- * its type (the float sum of two float16 values rounds to the float16 nearest their exact
- * sum, as NumPy adds float16), then the float16 kernels' steps on the rows of h. All float16
- * (f16): h, dh, dsum float16, dsum = float16(float16(dx) + dh). Float stream (f16f32): h, dh,
- * dsum float, streamed as in the typed versions. */
-static int fused_forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
-                             ptrdiff_t ldr, const float *weight, const float *bias, uint16_t *y,
-                             uint16_t *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
-                             double eps)
+/* The float16 forward and backward, with or without the fused residual add, as the typed ones
+ * (norms_rows.h): all float16 (h, dh, dsum float16 too); the add in float, h rounded once to
+ * float16 (the float sum of two float16 values rounds to the float16 nearest their exact sum,
+ * as NumPy adds float16) and read back; dsum = float16(float16(dx) + dh). */
+static int forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
+                       ptrdiff_t ldr, const float *weight, const float *bias, uint16_t *y,
+                       uint16_t *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
+                       double eps)
 {
     ptrdiff_t st;
     float *s = float_rows(3, n, &st), *rf = s + 2 * st, *yf = s + 4 * st;
@@ -424,12 +370,14 @@ static int fused_forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const ui
     for (ptrdiff_t r = 0, k; r < m; r += k) {
         k = rows_at(r, m, n);
         rows_in(x + r * ldx, ldx, s, st, k, n);
-        rows_in(residual + r * ldr, ldr, rf, st, k, n);
-        for (ptrdiff_t j = 0; j < k; j++)
-            for (ptrdiff_t i = 0; i < n; i++)
-                s[j * st + i] = rf[j * st + i] + s[j * st + i];
-        rows_out(s, st, h + r * n, k, n);
-        rows_in(h + r * n, n, s, st, k, n);
+        if (residual) {
+            rows_in(residual + r * ldr, ldr, rf, st, k, n);
+            for (ptrdiff_t j = 0; j < k; j++)
+                for (ptrdiff_t i = 0; i < n; i++)
+                    s[j * st + i] = rf[j * st + i] + s[j * st + i];
+            rows_out(s, st, h + r * n, k, n);
+            rows_in(h + r * n, n, s, st, k, n);
+        }
         if (rms)
             rms_norm_forward_rows_f32(k, s, st, weight, yf, st, rstd + r, n, eps);
         else
@@ -441,42 +389,44 @@ static int fused_forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const ui
     return 0;
 }
 
-static int fused_backward_f16(int rms, const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
-                              ptrdiff_t lddh, const uint16_t *h, ptrdiff_t ldh, const float *mean,
-                              const float *rstd, const float *weight, uint16_t *dsum,
-                              double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
-                              ptrdiff_t n)
+static int backward_f16(int rms, const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
+                        ptrdiff_t lddh, const uint16_t *x, ptrdiff_t ldx, const float *mean,
+                        const float *rstd, const float *weight, uint16_t *dx,
+                        double *dweight_blocks, double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)
 {
     ptrdiff_t st;
-    float *s = float_rows(3, n, &st), *hf = s + 2 * st, *d = s + 4 * st;
+    float *s = float_rows(3, n, &st), *xf = s + 2 * st, *d = s + 4 * st;
     if (!s)
         return 1;
     for (ptrdiff_t r = 0, k; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
         k = rows_at(r, m, n);
         rows_in(dy + r * lddy, lddy, s, st, k, n);
-        rows_in(h + r * ldh, ldh, hf, st, k, n);
+        rows_in(x + r * ldx, ldx, xf, st, k, n);
         if (rms)
-            rms_norm_backward_rows_f32(k, s, st, hf, st, rstd + r, weight, d, st,
+            rms_norm_backward_rows_f32(k, s, st, xf, st, rstd + r, weight, d, st,
                                        dweight_blocks + b, n);
         else
-            layer_norm_backward_rows_f32(k, s, st, hf, st, mean + r, rstd + r, weight, d, st,
+            layer_norm_backward_rows_f32(k, s, st, xf, st, mean + r, rstd + r, weight, d, st,
                                          dweight_blocks + b, dbias_blocks + b, n);
-        rows_out(d, st, dsum + r * n, k, n);
+        rows_out(d, st, dx + r * n, k, n);
         if (dh) {
-            rows_in(dsum + r * n, n, d, st, k, n);
+            rows_in(dx + r * n, n, d, st, k, n);
             rows_in(dh + r * lddh, lddh, s, st, k, n);
             for (ptrdiff_t j = 0; j < k; j++)
                 for (ptrdiff_t i = 0; i < n; i++)
                     d[j * st + i] = d[j * st + i] + s[j * st + i];
-            rows_out(d, st, dsum + r * n, k, n);
+            rows_out(d, st, dx + r * n, k, n);
         }
     }
     free(s);
     return 0;
 }
 
-static int fused_forward_f16f32(int rms, const uint16_t *x, ptrdiff_t ldx, const float *residual,
+/* The fused residual add with float16 x, y, dy and a float stream (residual, h, dh, dsum):
+ * x and dy converted exactly, the float32 row functions, y rounded once; h and dsum streamed
+ * as in the typed versions. */
+static int forward_f16f32(int rms, const uint16_t *x, ptrdiff_t ldx, const float *residual,
                                 ptrdiff_t ldr, const float *weight, const float *bias,
                                 uint16_t *y, float *h, float *mean, float *rstd, ptrdiff_t m,
                                 ptrdiff_t n, double eps)
@@ -509,7 +459,7 @@ static int fused_forward_f16f32(int rms, const uint16_t *x, ptrdiff_t ldx, const
     return 0;
 }
 
-static int fused_backward_f16f32(int rms, const uint16_t *dy, ptrdiff_t lddy, const float *dh,
+static int backward_f16f32(int rms, const uint16_t *dy, ptrdiff_t lddy, const float *dh,
                                  ptrdiff_t lddh, const float *h, ptrdiff_t ldh, const float *mean,
                                  const float *rstd, const float *weight, float *dsum,
                                  double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
@@ -543,39 +493,72 @@ static int fused_backward_f16f32(int rms, const uint16_t *dy, ptrdiff_t lddy, co
     return 0;
 }
 
-/* The exported functions: LayerNorm (rms 0) and RMSNorm (rms 1) of each variant. */
+/* The exported functions (norms.h): LayerNorm (rms 0) and RMSNorm (rms 1), without and with
+ * the residual add (add_*), of each type. */
+#define NORMS_EXPORTS(S, TX, TP, RET, RETURN)                                                  \
+    NORMS_KERNEL RET layer_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TP *weight,      \
+                                            const TP *bias, TX *y, TP *mean, TP *rstd,         \
+                                            ptrdiff_t m, ptrdiff_t n, double eps)              \
+    {                                                                                          \
+        RETURN forward_##S(0, x, ldx, NULL, 0, weight, bias, y, NULL, mean, rstd, m, n, eps);  \
+    }                                                                                          \
+    NORMS_KERNEL RET rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TP *weight, TX *y, \
+                                          TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps)      \
+    {                                                                                          \
+        RETURN forward_##S(1, x, ldx, NULL, 0, weight, NULL, y, NULL, NULL, rstd, m, n, eps);  \
+    }                                                                                          \
+    NORMS_KERNEL RET layer_norm_backward_##S(                                                  \
+        const TX *dy, ptrdiff_t lddy, const TX *x, ptrdiff_t ldx, const TP *mean,              \
+        const TP *rstd, const TP *weight, TX *dx, double *dweight_blocks,                      \
+        double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)                                        \
+    {                                                                                          \
+        RETURN backward_##S(0, dy, lddy, NULL, 0, x, ldx, mean, rstd, weight, dx,              \
+                            dweight_blocks, dbias_blocks, m, n);                               \
+    }                                                                                          \
+    NORMS_KERNEL RET rms_norm_backward_##S(const TX *dy, ptrdiff_t lddy, const TX *x,          \
+                                           ptrdiff_t ldx, const TP *rstd, const TP *weight,    \
+                                           TX *dx, double *dweight_blocks, ptrdiff_t m,        \
+                                           ptrdiff_t n)                                        \
+    {                                                                                          \
+        RETURN backward_##S(1, dy, lddy, NULL, 0, x, ldx, NULL, rstd, weight, dx,              \
+                            dweight_blocks, NULL, m, n);                                       \
+    }
+
 #define NORMS_FUSED_EXPORTS(S, TX, TR, TP)                                                     \
     NORMS_KERNEL int add_layer_norm_forward_##S(                                               \
         const TX *x, ptrdiff_t ldx, const TR *residual, ptrdiff_t ldr, const TP *weight,       \
         const TP *bias, TX *y, TR *h, TP *mean, TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps) \
     {                                                                                          \
-        return fused_forward_##S(0, x, ldx, residual, ldr, weight, bias, y, h, mean, rstd, m,  \
-                                 n, eps);                                                      \
+        return forward_##S(0, x, ldx, residual, ldr, weight, bias, y, h, mean, rstd, m, n,     \
+                           eps);                                                               \
     }                                                                                          \
     NORMS_KERNEL int add_rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TR *residual,  \
                                               ptrdiff_t ldr, const TP *weight, TX *y, TR *h,   \
                                               TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps)  \
     {                                                                                          \
-        return fused_forward_##S(1, x, ldx, residual, ldr, weight, NULL, y, h, NULL, rstd, m,  \
-                                 n, eps);                                                      \
+        return forward_##S(1, x, ldx, residual, ldr, weight, NULL, y, h, NULL, rstd, m, n,     \
+                           eps);                                                               \
     }                                                                                          \
     NORMS_KERNEL int add_layer_norm_backward_##S(                                              \
         const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, const TR *h, ptrdiff_t ldh, \
         const TP *mean, const TP *rstd, const TP *weight, TR *dsum, double *dweight_blocks,    \
         double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)                                        \
     {                                                                                          \
-        return fused_backward_##S(0, dy, lddy, dh, lddh, h, ldh, mean, rstd, weight, dsum,     \
-                                  dweight_blocks, dbias_blocks, m, n);                         \
+        return backward_##S(0, dy, lddy, dh, lddh, h, ldh, mean, rstd, weight, dsum,           \
+                            dweight_blocks, dbias_blocks, m, n);                               \
     }                                                                                          \
     NORMS_KERNEL int add_rms_norm_backward_##S(                                                \
         const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, const TR *h, ptrdiff_t ldh, \
         const TP *rstd, const TP *weight, TR *dsum, double *dweight_blocks, ptrdiff_t m,       \
         ptrdiff_t n)                                                                           \
     {                                                                                          \
-        return fused_backward_##S(1, dy, lddy, dh, lddh, h, ldh, NULL, rstd, weight, dsum,     \
-                                  dweight_blocks, NULL, m, n);                                 \
+        return backward_##S(1, dy, lddy, dh, lddh, h, ldh, NULL, rstd, weight, dsum,           \
+                            dweight_blocks, NULL, m, n);                                       \
     }
 
+NORMS_EXPORTS(f32, float, float, void, (void))
+NORMS_EXPORTS(f64, double, double, void, (void))
+NORMS_EXPORTS(f16, uint16_t, float, int, return)
 NORMS_FUSED_EXPORTS(f32, float, float, float)
 NORMS_FUSED_EXPORTS(f64, double, double, double)
 NORMS_FUSED_EXPORTS(f16, uint16_t, uint16_t, float)

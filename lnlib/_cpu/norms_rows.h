@@ -29,138 +29,42 @@ static void FN(blocks_add)(struct pairwise *s, T a[][LANES], int count)
         pairwise_add(&s[c], FN(lanes_total)(a[c]));
 }
 
-/* The sums of a pass over rows a and b at once, the same block of both in one loop, so that
- * the processor works on the two rows' chains of additions side by side (b may be a). Each
- * row's sums are the same alone or in a pair. sum[0], sum[1]: rows a and b; the passes with
- * two sums put the second in sum[2], sum[3]. The unroll pragma keeps the lane loop for the
- * vectoriser (fully unrolled first, GCC would make the block loop in-order reductions). */
+/* The passes' sums, over rows a and b at once (b may be a; each row's sums are the same alone
+ * or in a pair): sum[0], sum[1] for rows a and b, and a second sum in sum[2], sum[3]. */
 static void FN(row_sum)(const T *xa, const T *xb, ptrdiff_t n, double sum[2])
 {
-    struct pairwise s[2];
-    pairwise_start(s, 2);
-    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
-        ptrdiff_t end = start + block_len(start, n), i = start;
-        T a[2][LANES] = {{0}};
-        for (; i + LANES <= end; i += LANES)
-#pragma GCC unroll 8
-            for (int k = 0; k < LANES; k++) {
-                a[0][k] += xa[i + k];
-                a[1][k] += xb[i + k];
-            }
-        for (int k = 0; i < end; i++, k++) {
-            a[0][k] += xa[i];
-            a[1][k] += xb[i];
-        }
-        FN(blocks_add)(s, a, 2);
-    }
-    pairwise_totals(s, 2, sum);
+    LANE_PASS(2, n, sum, a[0][k] += xa[e]; a[1][k] += xb[e];);
 }
 
 /* Sums of d = x - shift and of d^2. */
 static void FN(row_sums_dev)(const T *xa, const T *xb, ptrdiff_t n, const T shift[2],
                              double sum[4])
 {
-    struct pairwise s[4];
-    pairwise_start(s, 4);
-    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
-        ptrdiff_t end = start + block_len(start, n), i = start;
-        T a[4][LANES] = {{0}};
-        for (; i + LANES <= end; i += LANES)
-#pragma GCC unroll 8
-            for (int k = 0; k < LANES; k++) {
-                T da = xa[i + k] - shift[0], db = xb[i + k] - shift[1];
-                a[0][k] += da;
-                a[1][k] += db;
-                a[2][k] += da * da;
-                a[3][k] += db * db;
-            }
-        for (int k = 0; i < end; i++, k++) {
-            T da = xa[i] - shift[0], db = xb[i] - shift[1];
-            a[0][k] += da;
-            a[1][k] += db;
-            a[2][k] += da * da;
-            a[3][k] += db * db;
-        }
-        FN(blocks_add)(s, a, 4);
-    }
-    pairwise_totals(s, 4, sum);
+    LANE_PASS(4, n, sum, T da = xa[e] - shift[0]; T db = xb[e] - shift[1]; a[0][k] += da;
+              a[1][k] += db; a[2][k] += da * da; a[3][k] += db * db;);
 }
 
 /* Sum of x^2. */
 static void FN(row_sum_sq)(const T *xa, const T *xb, ptrdiff_t n, double sum[2])
 {
-    struct pairwise s[2];
-    pairwise_start(s, 2);
-    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
-        ptrdiff_t end = start + block_len(start, n), i = start;
-        T a[2][LANES] = {{0}};
-        for (; i + LANES <= end; i += LANES)
-#pragma GCC unroll 8
-            for (int k = 0; k < LANES; k++) {
-                a[0][k] += xa[i + k] * xa[i + k];
-                a[1][k] += xb[i + k] * xb[i + k];
-            }
-        for (int k = 0; i < end; i++, k++) {
-            a[0][k] += xa[i] * xa[i];
-            a[1][k] += xb[i] * xb[i];
-        }
-        FN(blocks_add)(s, a, 2);
-    }
-    pairwise_totals(s, 2, sum);
+    LANE_PASS(2, n, sum, a[0][k] += xa[e] * xa[e]; a[1][k] += xb[e] * xb[e];);
 }
 
 /* Sums of g = dy weight and of g (x - shift). */
 static void FN(row_sums_g)(const T *dya, const T *dyb, const T *weight, const T *xa,
                            const T *xb, ptrdiff_t n, const T shift[2], double sum[4])
 {
-    struct pairwise s[4];
-    pairwise_start(s, 4);
-    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
-        ptrdiff_t end = start + block_len(start, n), i = start;
-        T a[4][LANES] = {{0}};
-        for (; i + LANES <= end; i += LANES)
-#pragma GCC unroll 8
-            for (int k = 0; k < LANES; k++) {
-                T ga = dya[i + k] * weight[i + k], gb = dyb[i + k] * weight[i + k];
-                a[0][k] += ga;
-                a[1][k] += gb;
-                a[2][k] += ga * (xa[i + k] - shift[0]);
-                a[3][k] += gb * (xb[i + k] - shift[1]);
-            }
-        for (int k = 0; i < end; i++, k++) {
-            T ga = dya[i] * weight[i], gb = dyb[i] * weight[i];
-            a[0][k] += ga;
-            a[1][k] += gb;
-            a[2][k] += ga * (xa[i] - shift[0]);
-            a[3][k] += gb * (xb[i] - shift[1]);
-        }
-        FN(blocks_add)(s, a, 4);
-    }
-    pairwise_totals(s, 4, sum);
+    LANE_PASS(4, n, sum, T ga = dya[e] * weight[e]; T gb = dyb[e] * weight[e]; a[0][k] += ga;
+              a[1][k] += gb; a[2][k] += ga * (xa[e] - shift[0]);
+              a[3][k] += gb * (xb[e] - shift[1]););
 }
 
-/* Sum of g x, g = dy weight. */
+/* Sum of g x. */
 static void FN(row_sum_gx)(const T *dya, const T *dyb, const T *weight, const T *xa,
                            const T *xb, ptrdiff_t n, double sum[2])
 {
-    struct pairwise s[2];
-    pairwise_start(s, 2);
-    for (ptrdiff_t start = 0; start < n; start += BLOCK) {
-        ptrdiff_t end = start + block_len(start, n), i = start;
-        T a[2][LANES] = {{0}};
-        for (; i + LANES <= end; i += LANES)
-#pragma GCC unroll 8
-            for (int k = 0; k < LANES; k++) {
-                a[0][k] += dya[i + k] * weight[i + k] * xa[i + k];
-                a[1][k] += dyb[i + k] * weight[i + k] * xb[i + k];
-            }
-        for (int k = 0; i < end; i++, k++) {
-            a[0][k] += dya[i] * weight[i] * xa[i];
-            a[1][k] += dyb[i] * weight[i] * xb[i];
-        }
-        FN(blocks_add)(s, a, 2);
-    }
-    pairwise_totals(s, 2, sum);
+    LANE_PASS(2, n, sum, a[0][k] += dya[e] * weight[e] * xa[e];
+              a[1][k] += dyb[e] * weight[e] * xb[e];);
 }
 
 /* The row functions take k = 1 or 2 rows (rows_at), ld elements apart: the passes of sums over
@@ -262,121 +166,64 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
     }
 }
 
-/* The exported kernels (norms.h): rows in pairs (rows_at); a large output is made in scratch,
- * a pair of rows at a time, and streamed to memory (stream_scratch). */
-NORMS_KERNEL void FN(layer_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight,
-                                         const T *bias, T *y, T *mean, T *rstd, ptrdiff_t m,
-                                         ptrdiff_t n, double eps)
+/* The forward of rows x, ldx apart, or, with a residual, of h = residual + x (the fused
+ * residual add: h written, contiguous, then normalised while it is in L1), a pair of rows at a
+ * time (rows_at); rms selects RMSNorm (bias and mean unused). A large output is made in scratch
+ * and streamed to memory (stream_scratch). */
+static int FN(forward)(int rms, const T *x, ptrdiff_t ldx, const T *residual, ptrdiff_t ldr,
+                       const T *weight, const T *bias, T *y, T *h, T *mean, T *rstd, ptrdiff_t m,
+                       ptrdiff_t n, double eps)
 {
-    T *s = stream_scratch(m, n, sizeof(T), 2);
+    T *s = stream_scratch(m, n, sizeof(T), residual ? 4 : 2);
     for (ptrdiff_t r = 0, k; r < m; r += k) {
+        const T *in = x + r * ldx;
+        ptrdiff_t ld = ldx;
+        T *yr = s ? s : y + r * n, *hr = s ? s + 2 * n : h + r * n;
         k = rows_at(r, m, n);
-        FN(layer_norm_forward_rows)(k, x + r * ldx, ldx, weight, bias, s ? s : y + r * n, n,
-                                    mean + r, rstd + r, n, eps);
-        if (s)
-            stream_copy(y + r * n, s, k * n, sizeof(T));
-    }
-    stream_end(s);
-}
-
-NORMS_KERNEL void FN(layer_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x, ptrdiff_t ldx,
-                                          const T *mean, const T *rstd, const T *weight, T *dx,
-                                          double *dweight_blocks, double *dbias_blocks,
-                                          ptrdiff_t m, ptrdiff_t n)
-{
-    T *s = stream_scratch(m, n, sizeof(T), 2);
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
-        k = rows_at(r, m, n);
-        FN(layer_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, mean + r,
-                                     rstd + r, weight, s ? s : dx + r * n, n,
-                                     dweight_blocks + b, dbias_blocks + b, n);
-        if (s)
-            stream_copy(dx + r * n, s, k * n, sizeof(T));
-    }
-    stream_end(s);
-}
-
-NORMS_KERNEL void FN(rms_norm_forward)(const T *x, ptrdiff_t ldx, const T *weight, T *y,
-                                       T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
-{
-    T *s = stream_scratch(m, n, sizeof(T), 2);
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        k = rows_at(r, m, n);
-        FN(rms_norm_forward_rows)(k, x + r * ldx, ldx, weight, s ? s : y + r * n, n, rstd + r,
-                                  n, eps);
-        if (s)
-            stream_copy(y + r * n, s, k * n, sizeof(T));
-    }
-    stream_end(s);
-}
-
-NORMS_KERNEL void FN(rms_norm_backward)(const T *dy, ptrdiff_t lddy, const T *x, ptrdiff_t ldx,
-                                        const T *rstd, const T *weight, T *dx,
-                                        double *dweight_blocks, ptrdiff_t m, ptrdiff_t n)
-{
-    T *s = stream_scratch(m, n, sizeof(T), 2);
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        k = rows_at(r, m, n);
-        FN(rms_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, rstd + r, weight,
-                                   s ? s : dx + r * n, n,
-                                   dweight_blocks + r / NORMS_BLOCK_ROWS * n, n);
-        if (s)
-            stream_copy(dx + r * n, s, k * n, sizeof(T));
-    }
-    stream_end(s);
-}
-
-/* The fused residual add (norms.h), a pair of rows at a time: h = residual + x, then the norm
- * of those rows of h while they are in L1; the backward's dsum = dx + dh on the rows of dx
- * just made. rms selects RMSNorm (bias and mean unused). Large outputs streamed as above. */
-static int FN(fused_forward)(int rms, const T *x, ptrdiff_t ldx, const T *residual,
-                             ptrdiff_t ldr, const T *weight, const T *bias, T *y, T *h,
-                             T *mean, T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
-{
-    T *s = stream_scratch(m, n, sizeof(T), 4);
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        k = rows_at(r, m, n);
-        T *hr = s ? s : h + r * n, *yr = s ? s + 2 * n : y + r * n;
-        for (ptrdiff_t j = 0; j < k; j++)
-            for (ptrdiff_t i = 0; i < n; i++)
-                hr[j * n + i] = residual[(r + j) * ldr + i] + x[(r + j) * ldx + i];
-        if (rms)
-            FN(rms_norm_forward_rows)(k, hr, n, weight, yr, n, rstd + r, n, eps);
-        else
-            FN(layer_norm_forward_rows)(k, hr, n, weight, bias, yr, n, mean + r, rstd + r, n,
-                                        eps);
-        if (s) {
-            stream_copy(h + r * n, hr, k * n, sizeof(T));
-            stream_copy(y + r * n, yr, k * n, sizeof(T));
+        if (residual) {
+            for (ptrdiff_t j = 0; j < k; j++)
+                for (ptrdiff_t i = 0; i < n; i++)
+                    hr[j * n + i] = residual[(r + j) * ldr + i] + x[(r + j) * ldx + i];
+            in = hr;
+            ld = n;
         }
+        if (rms)
+            FN(rms_norm_forward_rows)(k, in, ld, weight, yr, n, rstd + r, n, eps);
+        else
+            FN(layer_norm_forward_rows)(k, in, ld, weight, bias, yr, n, mean + r, rstd + r, n,
+                                        eps);
+        if (s)
+            stream_copy(y + r * n, yr, k * n, sizeof(T));
+        if (s && residual)
+            stream_copy(h + r * n, hr, k * n, sizeof(T));
     }
     stream_end(s);
     return 0;
 }
 
-static int FN(fused_backward)(int rms, const T *dy, ptrdiff_t lddy, const T *dh, ptrdiff_t lddh,
-                              const T *h, ptrdiff_t ldh, const T *mean, const T *rstd,
-                              const T *weight, T *dsum, double *dweight_blocks,
-                              double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)
+/* The backward of rows x (h of the fused add), with dsum = dx + dh when dh is given. */
+static int FN(backward)(int rms, const T *dy, ptrdiff_t lddy, const T *dh, ptrdiff_t lddh,
+                        const T *x, ptrdiff_t ldx, const T *mean, const T *rstd,
+                        const T *weight, T *dx, double *dweight_blocks, double *dbias_blocks,
+                        ptrdiff_t m, ptrdiff_t n)
 {
     T *s = stream_scratch(m, n, sizeof(T), 2);
     for (ptrdiff_t r = 0, k; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
-        T *d = s ? s : dsum + r * n;
+        T *d = s ? s : dx + r * n;
         k = rows_at(r, m, n);
         if (rms)
-            FN(rms_norm_backward_rows)(k, dy + r * lddy, lddy, h + r * ldh, ldh, rstd + r,
+            FN(rms_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, rstd + r,
                                        weight, d, n, dweight_blocks + b, n);
         else
-            FN(layer_norm_backward_rows)(k, dy + r * lddy, lddy, h + r * ldh, ldh, mean + r,
+            FN(layer_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, mean + r,
                                          rstd + r, weight, d, n, dweight_blocks + b,
                                          dbias_blocks + b, n);
         for (ptrdiff_t j = 0; dh && j < k; j++)
             for (ptrdiff_t i = 0; i < n; i++)
                 d[j * n + i] = d[j * n + i] + dh[(r + j) * lddh + i];
         if (s)
-            stream_copy(dsum + r * n, d, k * n, sizeof(T));
+            stream_copy(dx + r * n, d, k * n, sizeof(T));
     }
     stream_end(s);
     return 0;
