@@ -5,8 +5,9 @@
  * Every sum over a row runs in blocks of BLOCK elements. Within a block, element i goes to
  * lane i % LANES of an accumulator of LANES values of T (the last, short group of a block:
  * its element k to lane k); the lanes are added pairwise in float64 (lanes_total), and the
- * block totals pairwise in float64 (struct pairwise). Each pass is one function with that
- * loop written out; the compiler vectorises the lanes for each instruction set. */
+ * block totals pairwise in float64 (struct pairwise). Each pass is one function whose loop is
+ * the skeleton LANE_PASS (norms.c) with the pass's terms; the compiler vectorises the lanes for
+ * each instruction set. */
 
 /* The lanes added pairwise in float64: lane k + lane k + 8, then + 4, + 2, + 1. */
 static double FN(lanes_total)(const T a[LANES])
