@@ -649,9 +649,9 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     return written(out, (dx, _column_totals(blocks, p_dw, acc)[0]))
 
 
-# The fused residual add (the row contract in lnlib._rows): one C pass per chunk of rows (norms.c,
-# section "fused residual add"): per block of rows that stays in L2, the add into h, then this
-# module's kernel on the block of h; the backward the kernel's dx on a block, then dh added.
+# The fused residual add (the row contract in lnlib._rows): one C pass per chunk of rows (norms.h,
+# add_*): two rows at a time, the add into h, then the norm's row code on those rows of h while
+# they are in cache; the backward the norm's dx of two rows, then dh added.
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 #: The dtype mixes the C pass takes, (x, residual, h) -> the suffix of its functions: one dtype

@@ -49,11 +49,11 @@ void rms_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *x, pt
                            const double *rstd, const double *weight, double *dx,
                            double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
 
-/* float16 (the _f16 kernels): x, dy, y and dx hold IEEE binary16 bits
- * (uint16_t); weight, bias, mean and rstd are float. Each row is converted to float, goes
- * through the float32 kernel's row functions, and y and dx are rounded to float16 once (to
- * nearest, ties to even): the results are exactly those of the _f32 kernel on the inputs
- * converted to float32. They return 0, or 1 when the scratch rows cannot be allocated. */
+/* float16 (the _f16 kernels): x, dy, y and dx hold IEEE binary16 bits (uint16_t); weight,
+ * bias, mean and rstd are float. Each row is converted to float, goes through the float32
+ * kernel's row functions, and y and dx are rounded to float16 once (to nearest, ties to
+ * even): the results are exactly those of the _f32 kernel on the inputs converted to float32.
+ * They return 0, or 1 when the scratch rows cannot be allocated. */
 int layer_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const float *weight,
                            const float *bias, uint16_t *y, float *mean, float *rstd,
                            ptrdiff_t m, ptrdiff_t n, double eps);
@@ -87,8 +87,8 @@ int norms_set_streaming(int enabled);
 void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n);
 
 /* The fused residual add: h = residual + x, then the norm of h; the backward dsum = dx + dh.
- * lnlib/_rows.py states the rounding. Row by row, the add into h, then the norm's row code on
- * that row of h while it is in cache: y is bitwise the kernel's y of h, dsum bitwise its dx
+ * lnlib/_rows.py states the rounding. Two rows at a time, the add into h, then the norm's row
+ * code on those rows of h while they are in cache: y is bitwise the kernel's y of h, dsum its dx
  * plus dh. residual rows ldr apart; h, y, dsum contiguous (m, n); h may be residual itself
  * (ldr == n), nothing else overlaps. dh may be NULL (zero). Suffixes: _f32, _f64 and _f16 all
  * arrays in that type (float16 as uint16_t bits, weight, bias, mean, rstd in float); _f16f32:
