@@ -168,7 +168,7 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
 }
 
 /* The forward of rows x, ldx apart, or, with a residual, of h = residual + x (the fused
- * residual add: h written, contiguous, then normalised while it is in L1), a pair of rows at a
+ * residual add: h written, contiguous, then normalised while it is in cache), a pair of rows at a
  * time (rows_at); rms selects RMSNorm (bias and mean unused). A large output is made in scratch
  * and streamed to memory (stream_scratch). */
 static int FN(forward)(int rms, const T *x, ptrdiff_t ldx, const T *residual, ptrdiff_t ldr,
@@ -179,9 +179,10 @@ static int FN(forward)(int rms, const T *x, ptrdiff_t ldx, const T *residual, pt
     for (ptrdiff_t r = 0, k; r < m; r += k) {
         const T *in = x + r * ldx;
         ptrdiff_t ld = ldx;
-        T *yr = s ? s : y + r * n, *hr = s ? s + 2 * n : h + r * n;
+        T *yr = s ? s : y + r * n, *hr = NULL;
         k = rows_at(r, m, n);
         if (residual) {
+            hr = s ? s + 2 * n : h + r * n;
             for (ptrdiff_t j = 0; j < k; j++)
                 for (ptrdiff_t i = 0; i < n; i++)
                     hr[j * n + i] = residual[(r + j) * ldr + i] + x[(r + j) * ldx + i];
