@@ -277,33 +277,40 @@ static int have_f16c(void)
     return __builtin_cpu_supports("f16c");
 }
 
-__attribute__((target("avx,f16c"))) static void halves_to_floats_f16c(const uint16_t *h,
-                                                                     float *f, ptrdiff_t n)
+/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a:
+ * eight values per instruction, the rest one by one. */
+__attribute__((target("avx,f16c"))) static void rows_in_f16c(const uint16_t *a, ptrdiff_t ld,
+                                                            float *f, ptrdiff_t stride, int k,
+                                                            ptrdiff_t n)
 {
-    ptrdiff_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-    for (; i < n; i++)
-        f[i] = half_to_float(h[i]);
+    for (int j = 0; j < k; j++, a += ld, f += stride) {
+        ptrdiff_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))));
+        for (; i < n; i++)
+            f[i] = half_to_float(a[i]);
+    }
 }
 
-__attribute__((target("avx,f16c"))) static void floats_to_halves_f16c(const float *f,
-                                                                     uint16_t *h, ptrdiff_t n)
+__attribute__((target("avx,f16c"))) static void rows_out_f16c(const float *f, ptrdiff_t stride,
+                                                             uint16_t *a, int k, ptrdiff_t n)
 {
-    ptrdiff_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(h + i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++)
-        h[i] = float_to_half(f[i]);
+    for (int j = 0; j < k; j++, a += n, f += stride) {
+        ptrdiff_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(a + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < n; i++)
+            a[i] = float_to_half(f[i]);
+    }
 }
 #else
 static int have_f16c(void)
 {
     return 0;
 }
-#define halves_to_floats_f16c(h, f, n) ((void)0)
-#define floats_to_halves_f16c(f, h, n) ((void)0)
+#define rows_in_f16c(a, ld, f, stride, k, n) ((void)0)
+#define rows_out_f16c(f, stride, a, k, n) ((void)0)
 #endif
 
 const char *norms_half_conversion(void)
@@ -311,23 +318,38 @@ const char *norms_half_conversion(void)
     return have_f16c() ? "f16c" : "portable";
 }
 
+/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a,
+ * with F16C where the CPU has it, else the bit operations. */
+static void rows_in(const uint16_t *a, ptrdiff_t ld, float *f, ptrdiff_t stride, int k,
+                    ptrdiff_t n)
+{
+    if (have_f16c())
+        rows_in_f16c(a, ld, f, stride, k, n);
+    else
+        for (int j = 0; j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                f[j * stride + i] = half_to_float(a[j * ld + i]);
+}
+
+static void rows_out(const float *f, ptrdiff_t stride, uint16_t *a, int k, ptrdiff_t n)
+{
+    if (have_f16c())
+        rows_out_f16c(f, stride, a, k, n);
+    else
+        for (int j = 0; j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                a[j * n + i] = float_to_half(f[j * stride + i]);
+}
+
 /* n float16 values to float, and back (exported for the tests). */
 void norms_half_to_float(const uint16_t *h, float *f, ptrdiff_t n)
 {
-    if (have_f16c())
-        halves_to_floats_f16c(h, f, n);
-    else
-        for (ptrdiff_t i = 0; i < n; i++)
-            f[i] = half_to_float(h[i]);
+    rows_in(h, n, f, n, 1, n);
 }
 
 void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
 {
-    if (have_f16c())
-        floats_to_halves_f16c(f, h, n);
-    else
-        for (ptrdiff_t i = 0; i < n; i++)
-            h[i] = float_to_half(f[i]);
+    rows_out(f, n, h, 1, n);
 }
 
 /* Scratch for float16 rows: `arrays` arrays of two float rows, each `stride` floats (a
@@ -338,20 +360,6 @@ static float *float_rows(int arrays, ptrdiff_t n, ptrdiff_t *stride)
     if (n > PTRDIFF_MAX / 64 / arrays)
         return NULL;
     return malloc(((size_t)arrays * 2 * (size_t)*stride + 1) * sizeof(float));
-}
-
-/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a. */
-static void rows_in(const uint16_t *a, ptrdiff_t ld, float *f, ptrdiff_t stride, int k,
-                    ptrdiff_t n)
-{
-    for (int j = 0; j < k; j++)
-        norms_half_to_float(a + j * ld, f + j * stride, n);
-}
-
-static void rows_out(const float *f, ptrdiff_t stride, uint16_t *a, int k, ptrdiff_t n)
-{
-    for (int j = 0; j < k; j++)
-        norms_float_to_half(f + j * stride, a + j * n, n);
 }
 
 /* The float16 forward and backward, with or without the fused residual add, as the typed ones
