@@ -337,24 +337,40 @@ def _function_body(source, name):
     return match and match.group(1)
 
 
+#: The one-row form of a pass, written beside its two-row form in a row function.
+_ONE_ROW = re.compile(r"\n    if \(k == 1\) \{.*?\n    \}", re.DOTALL)
+
+
+def _arrays(text):
+    """The arrays of length D that C ``text`` uses, and those it writes."""
+    used = {a for a in _ARRAYS if re.search(rf"\b{a}\b", text)}
+    return used, {a for a in _ARRAYS if re.search(rf"\b{a}\[i\] \+?=", text)}
+
+
 def _row_function_body(op):
-    """The body of ``FN(<op>_row)``, with the helpers it calls (other than the row sums
-    ``row_*``) spelled out in place, so that every pass over the row shows."""
-    source = (KERNEL_DIR / "norms_typed.h").read_text()
-    body = _function_body(source, op + "_row")
-    assert body, f"no row function for {op} in norms_typed.h"
+    """The body of ``FN(<op>_rows)``, with the helpers it calls (other than the row sums
+    ``row_*``) spelled out in place, so that every pass over the rows shows."""
+    source = (KERNEL_DIR / "norms_rows.h").read_text()
+    body = _function_body(source, op + "_rows")
+    assert body, f"no row function for {op} in norms_rows.h"
     helper = re.compile(r"FN\((?!row_)(\w+)\)\([^;]*;")
     return helper.sub(lambda m: _function_body(source, m.group(1)) or m.group(0), body)
 
 
 @pytest.mark.parametrize("op", sorted(cpu_kernel.PASSES))
 def test_passes_match_the_c_source(op):
-    passes = [m.group("call") or m.group("loop") for m in _PASS.finditer(_row_function_body(op))]
+    body = _row_function_body(op)
+    one_row = _ONE_ROW.search(body)  # the same pass as the one after it, for one row
+    body = _ONE_ROW.sub("", body)
+    passes = [m.group("call") or m.group("loop") for m in _PASS.finditer(body)]
     described = cpu_kernel.PASSES[op]
     assert len(passes) == len(described), f"{op}: C makes {len(passes)} passes over a row"
+    if one_row:
+        after = body[one_row.start() :]
+        following = next(t for t in passes if t in after)
+        assert _arrays(one_row.group(0)) == _arrays(following), (op, one_row.group(0))
     for text, want in zip(passes, described):
-        used = {a for a in _ARRAYS if re.search(rf"\b{a}\b", text)}
-        written = {a for a in _ARRAYS if re.search(rf"\b{a}\[i\] \+?=", text)}
+        used, written = _arrays(text)
         assert written == set(want["writes"]), (op, text)
         assert used == set(want["reads"]) | written, (op, text)
 
@@ -368,16 +384,9 @@ def test_passes_cover_every_kernel_in_the_header():
 # --- Every vector width gives the same bits -------------------------------------------------
 
 _WIDTHS = {"baseline": [], "avx2": ["-mavx2"], "avx512f": ["-mavx512f"]}
-#: The baseline built without the compiler's vector extension (the plain loops other compilers
-#: get), without the non-temporal stores, and with the float16 conversions of other machines
-#: (the compiler's _Float16 instead of F16C; bit operations): must give the same bits as the
-#: vector code.
-_PLAIN = {
-    "plain_loops": ["-DNORMS_NO_VECTORS"],
-    "no_stream": ["-DNORMS_NO_STREAM"],
-    "float16_type": ["-DNORMS_NO_F16C"],
-    "float16_portable": ["-DNORMS_NO_FLOAT16"],
-}
+#: The baseline built with the float16 conversion of other machines (bit operations instead of
+#: F16C): must give the same bits.
+_PLAIN = {"float16_portable": ["-DNORMS_NO_F16C"]}
 
 
 def _cpu_flags():
@@ -460,8 +469,8 @@ _CTYPE_OF = {np.float16: "uint16_t", np.float32: "float", np.float64: "double"}
 
 def test_every_vector_width_gives_the_same_bits(kernel, tmp_path):
     """The baseline build, the AVX2 and AVX-512 builds (where this CPU runs them), the
-    baseline without vector extensions or with the other float16 conversions, and the
-    installed multi-version module agree bit for bit."""
+    baseline with the portable float16 conversion, and the installed multi-version module
+    agree bit for bit."""
     flags = _cpu_flags()
     widths = {k: v for k, v in _WIDTHS.items() if k == "baseline" or k in flags}
     if len(widths) < 2:
@@ -556,19 +565,17 @@ def _assert_same_half_bits(got, want, what):
 
 
 def test_float16_conversions_match_numpy(kernel, tmp_path):
-    """Every conversion path (F16C where this CPU has it, the compiler's _Float16, the bit
-    operations) against NumPy's casts: all 65536 float16 values widened; delicate and random
+    """Both conversion paths (F16C where this CPU has it, the bit operations) against
+    NumPy's casts: all 65536 float16 values widened; delicate and random
     float32 values narrowed (ties to even, subnormals, overflow). NaNs stay NaNs of the same
     sign (NumPy keeps a signalling NaN signalling, the conversions quiet it) and are the same
     bits in every path."""
     paths = {
-        "float16_type": _build_variant(tmp_path, "float16_type", ["-DNORMS_NO_F16C"]),
-        "float16_portable": _build_variant(tmp_path, "float16_portable", ["-DNORMS_NO_FLOAT16"]),
+        "float16_portable": _build_variant(tmp_path, "float16_portable", ["-DNORMS_NO_F16C"]),
         "installed": (kernel._state["module"].ffi, kernel._state["module"].lib),
     }
     names = {k: ffi.string(lib.norms_half_conversion()).decode() for k, (ffi, lib) in paths.items()}
     assert names["float16_portable"] == "portable"
-    assert names["float16_type"] in ("_Float16", "portable")  # portable: no _Float16 here
     if "f16c" in _cpu_flags() and platform.machine() == "x86_64":
         assert names["installed"] == "f16c"
     halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -591,46 +598,15 @@ def test_float16_conversions_match_numpy(kernel, tmp_path):
         np.testing.assert_array_equal(narrowed, results["float16_portable"][1], err_msg=name)
 
 
-def test_every_vector_width_of_the_installed_module_gives_the_same_bits(kernel):
-    """The installed module with its sums' lanes in 16-, 32- and 64-byte vectors (as many as
-    this CPU has): the same bits as the widest, for every kernel and dtype."""
-    widest = kernel.info()["vector_bytes"]
-    widths = [b for b in (16, 32, 64) if b <= widest]
-    if len(widths) < 2:
-        pytest.skip(f"this CPU and build have {widest}-byte vectors only")
-    module = kernel._state["module"]
-    rng = np.random.default_rng(5)
-    for dtype in (np.float16, np.float32, np.float64):
-        for n in (1, 15, 16, 17, 33, 255, 256, 257, 1000, 4099):
-            m = 41 if n < 1000 else 3
-            x = (rng.standard_normal((m, n)) * 3 + 7).astype(dtype)
-            w, b = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
-            dy = rng.standard_normal((m, n)).astype(dtype)
-            want = _run_variant(module.ffi, module.lib, x, w, b, dy)
-            for nbytes in widths:
-                with kernel.vector_width(nbytes):
-                    assert kernel.info()["vector_bytes"] == nbytes
-                    got = _run_variant(module.ffi, module.lib, x, w, b, dy)
-                for key, value in got.items():
-                    np.testing.assert_array_equal(
-                        value, want[key], err_msg=f"{nbytes} bytes {key} {dtype} n={n}"
-                    )
-    assert kernel.info()["vector_bytes"] == widest
-
-
-@pytest.mark.parametrize("nbytes", [0, 8, 24, 128, "32", 32.0])
-def test_vector_width_refuses_what_the_cpu_cannot_use(kernel, nbytes):
-    widest = kernel.info()["vector_bytes"]
-    with pytest.raises(ValueError, match="nbytes must be 16, 32 or 64"):
-        with kernel.vector_width(nbytes):
-            pass
-    assert kernel.info()["vector_bytes"] == widest  # nothing changed
-
-
-def test_vector_width_above_the_widest_is_refused(kernel):
-    widest = kernel.info()["vector_bytes"]
-    if widest >= 64:
-        pytest.skip("this CPU and build have the widest vectors (64 bytes)")
-    with pytest.raises(ValueError, match=f"at most {widest}"):
-        with kernel.vector_width(2 * widest):
-            pass
+def test_the_loader_picks_the_widest_version_this_cpu_runs(kernel):
+    """On x86-64 the installed module holds an AVX-512, an AVX2 and a baseline version of the
+    kernels; the one that runs is the widest this CPU has (the others are compared bit for bit
+    in test_every_vector_width_gives_the_same_bits)."""
+    info = kernel.info()
+    if platform.machine() != "x86_64" or platform.libc_ver()[0] != "glibc":
+        assert info["version"] == "default"  # multi-versioning needs glibc's ifunc
+        return
+    flags = _cpu_flags()
+    want = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "default"
+    assert info["version"] == want
+    assert info["vector_bytes"] == {"avx512f": 64, "avx2": 32, "default": 16}[want]

@@ -4,8 +4,10 @@
 
 Builds ``lnlib/_cpu/norms.c`` as it is at revisions ``A`` and ``B`` (``WORKTREE`` is the
 working tree) the way ``tools/kernel_ab.py`` does, calls every LayerNorm and RMSNorm kernel,
-forward and backward, in float16, float32 and float64, of both on the same inputs, and compares
-every output (y, mean, rstd, dx, the summed dweight and dbias) bitwise. The cases cover n from
+forward and backward, in float16, float32 and float64, and the fused residual add kernels
+(``add_*``, also ``_f16f32``: float16 x, float stream; with and without dh) of both on the same
+inputs, and compares every output (y, h, mean, rstd, dx or dsum, the summed dweight and dbias)
+bitwise. The cases cover n from
 1 to 5000 with odd tails, 1 to 40 rows, padded rows (ldx > n), weight and bias absent (ones and
 zeros, as the binding passes them) or random, several eps, and rows holding NaN or inf.
 Prints the number of comparisons and of differences; exits 1 if any differ. The backward
@@ -130,7 +132,52 @@ class Kernel:
         )
         lib.sum_blocks_pairwise(p(dw2), nb, n)
         out.update(rms_dx=dx2, rms_dw=dw2[0])
+        stream = [dtype] + ([np.float32] if dtype == np.float16 else [])
+        for hd in stream:  # the fused residual add: h in x's dtype, or float32 for float16 x
+            out.update(self.fused(dtype, hd, m, n, ld, eps, x, dy, ws, bs, xs, dys, nb))
         return out, (out["ln_mean"], out["ln_rstd"], out["rms_rstd"])
+
+    def fused(self, dtype, hd, m, n, ld, eps, x, dy, ws, bs, xs, dys, nb):
+        """Every output of the add_* kernels with stream dtype ``hd``, keys prefixed."""
+        lib, p = self.lib, self.p
+        sfx = {np.float16: "f16", np.float32: "f32", np.float64: "f64"}[dtype]
+        sfx += "f32" if hd != dtype else ""
+        pt = np.float32 if dtype == np.float16 else dtype
+        with np.errstate(over="ignore"):
+            res = np.ascontiguousarray((x[:, ::-1] * 0.5).astype(hd))
+            dh = np.ascontiguousarray((dy[::-1] * 2).astype(hd))
+        if hd == np.float16:
+            res, dh = res.view(np.uint16), dh.view(np.uint16)
+        hview = res.dtype
+        tag, out = f"add{'' if hd == dtype else '32'}_", {}
+        y, h = np.empty((m, n), xs.dtype), np.empty((m, n), hview)
+        mean, rstd, rstd2 = np.empty(m, pt), np.empty(m, pt), np.empty(m, pt)
+        fwd = getattr(lib, f"add_layer_norm_forward_{sfx}")
+        fwd(p(xs), ld, p(res), ld, p(ws), p(bs), p(y), p(h), p(mean), p(rstd), m, n, eps)
+        y2, h2 = np.empty((m, n), xs.dtype), np.empty((m, n), hview)
+        getattr(lib, f"add_rms_norm_forward_{sfx}")(
+            p(xs), ld, p(res), ld, p(ws), p(y2), p(h2), p(rstd2), m, n, eps
+        )
+        out.update({tag + "ln_y": y, tag + "ln_h": h, tag + "ln_mean": mean})
+        out.update({tag + "ln_rstd": rstd, tag + "rms_y": y2, tag + "rms_h": h2})
+        out[tag + "rms_rstd"] = rstd2
+        for with_dh in (True, False):
+            t = tag + ("dh_" if with_dh else "")
+            pdh = p(dh) if with_dh else self.ffi.NULL
+            ds, dw, db = np.empty((m, n), hview), np.zeros((nb, n)), np.zeros((nb, n))
+            getattr(lib, f"add_layer_norm_backward_{sfx}")(
+                p(dys), ld, pdh, ld, p(h), n, p(mean), p(rstd), p(ws), p(ds), p(dw), p(db), m, n
+            )
+            lib.sum_blocks_pairwise(p(dw), nb, n)
+            lib.sum_blocks_pairwise(p(db), nb, n)
+            ds2, dw2 = np.empty((m, n), hview), np.zeros((nb, n))
+            getattr(lib, f"add_rms_norm_backward_{sfx}")(
+                p(dys), ld, pdh, ld, p(h2), n, p(rstd2), p(ws), p(ds2), p(dw2), m, n
+            )
+            lib.sum_blocks_pairwise(p(dw2), nb, n)
+            out.update({t + "ln_dsum": ds, t + "ln_dw": dw[0], t + "ln_db": db[0]})
+            out.update({t + "rms_dsum": ds2, t + "rms_dw": dw2[0]})
+        return out
 
 
 def compare(ka, kb, verbose=False):

@@ -60,15 +60,7 @@ ffibuilder.set_source(
     '#include "norms.h"',
     sources=[_relative(HERE / "norms.c")],
     include_dirs=[_relative(HERE)],
-    depends=[
-        _relative(HERE / name)
-        for name in (
-            "norms.h",
-            "norms_typed.h",
-            "norms_lanes.h",
-            "norms_half.h",
-        )
-    ],
+    depends=[_relative(HERE / name) for name in ("norms.h", "norms_rows.h")],
     extra_compile_args=FLAGS,
     libraries=["m"] if os.name == "posix" else [],
     optional=True,

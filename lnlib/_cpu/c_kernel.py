@@ -158,8 +158,6 @@ def _load():
             "norms_kernel_version",
             "norms_set_streaming",
             "norms_half_conversion",
-            "norms_vector_bytes",
-            "norms_set_vector_bytes",
         ]
         if not hasattr(getattr(module, "lib", None), f)
     ]
@@ -227,6 +225,10 @@ def _caller_level():
     return level
 
 
+#: The vector registers of each version of the kernels (norms_kernel_version), in bytes.
+_VECTOR_BYTES = {"avx512f": 64, "avx2": 32, "default": 16}
+
+
 def info():
     """Whether the compiled kernel runs here, and why.
 
@@ -237,10 +239,10 @@ def info():
         "vector_bytes": int or None, "float16": str or None, "flags": list of str,
         "source": str}``: ``path`` is the loaded extension module, ``version`` the version
         the loader picked for this CPU (``"avx512f"``, ``"avx2"`` or ``"default"``; every
-        version gives the same bits), ``vector_bytes`` the width of the vectors that hold the
-        sums' 16 lanes (64, 32 or 16 bytes; 0 without the compiler's vector extension),
+        version gives the same bits), ``vector_bytes`` the width of that version's vector
+        registers, into which the compiler vectorised the loops (64, 32 or 16 bytes),
         ``float16`` how the float16 kernels convert (``"f16c"``: the x86-64 instructions;
-        ``"_Float16"``: the compiler's type; ``"portable"``: bit operations; the same bits),
+        ``"portable"``: bit operations; the same bits),
         ``flags`` the compiler flags it was built with, ``source`` the C file, relative to
         the package.
     """
@@ -253,7 +255,7 @@ def info():
         "reason": _state["reason"],
         "path": _state["path"],
         "version": version,
-        "vector_bytes": None if lib is None else lib.norms_vector_bytes(),
+        "vector_bytes": _VECTOR_BYTES.get(version),
         "float16": half,
         "flags": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
         "source": "_cpu/norms.c",
@@ -303,34 +305,6 @@ def ordinary_stores():
         yield
     finally:
         lib.norms_set_streaming(before)
-
-
-@contextlib.contextmanager
-def vector_width(nbytes):
-    """Inside the block, the kernels hold the sums' lanes in vectors of ``nbytes`` bytes.
-
-    ``nbytes`` is 16, 32 or 64, at most the widest this CPU and build have
-    (``info()["vector_bytes"]``): the same sums in the same order, so the same bits, in more
-    or fewer registers. For the tests, which compare the widths, and the benchmark.
-    Process-wide: not for use while other threads call the kernels.
-
-    Raises
-    ------
-    ValueError
-        ``nbytes`` is not a width this CPU and build can use.
-    """
-    lib = _module().lib
-    valid = isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes in (16, 32, 64)
-    before = lib.norms_set_vector_bytes(nbytes) if valid else -1
-    if before < 0:
-        raise ValueError(
-            f"nbytes must be 16, 32 or 64 and at most {lib.norms_vector_bytes()} here "
-            f"(the widest this CPU and build have), got {nbytes!r}"
-        )
-    try:
-        yield
-    finally:
-        lib.norms_set_vector_bytes(before)
 
 
 def _c_function(op, dtype):
@@ -675,9 +649,9 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     return written(out, (dx, _column_totals(blocks, p_dw, acc)[0]))
 
 
-# The fused residual add (the row contract in lnlib._rows): one C pass per chunk of rows (norms.c,
-# section "fused residual add"): per block of rows that stays in L2, the add into h, then this
-# module's kernel on the block of h; the backward the kernel's dx on a block, then dh added.
+# The fused residual add (the row contract in lnlib._rows): one C pass per chunk of rows (norms.h,
+# add_*): two rows at a time, the add into h, then the norm's row code on those rows of h while
+# they are in cache; the backward the norm's dx of two rows, then dh added.
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 #: The dtype mixes the C pass takes, (x, residual, h) -> the suffix of its functions: one dtype

@@ -1,30 +1,22 @@
 /* Row-wise LayerNorm and RMSNorm, forward and backward, for the CPU (declared in norms.h).
  *
  * Built into the extension module lnlib._cpu._norms when the package is built
- * (lnlib/_cpu/build.py); lnlib/_cpu/c_kernel.py calls it on chunks of rows, one
- * chunk per thread. Each kernel is written once, in norms_typed.h, and included below
- * for float and for double; the float16 kernels (norms_half.h, included last) convert
- * rows to float and call the float ones' row functions.
+ * (lnlib/_cpu/build.py); lnlib/_cpu/c_kernel.py calls it on chunks of rows, one chunk per
+ * thread. The row functions are written once, in norms_rows.h, included below for float and
+ * for double; the float16 kernels convert each row to float and run the float ones.
  *
- * A row is read from memory once: the first pass brings it into cache, the later passes
- * find it there. LayerNorm is memory-bound, so the time is set by the bytes moved.
+ * A row is read from memory once: the first pass brings it into cache, the later passes find
+ * it there. The order of every sum depends on the row length only (never on the row's
+ * address, its place in the batch or the thread), so results are bitwise batch and thread
+ * invariant; the column sums of dweight and dbias are accumulated in float64 per block of
+ * NORMS_BLOCK_ROWS rows and the blocks added pairwise (sum_blocks_pairwise).
  *
- * Guarantees, matched by the tests:
- *  - two-pass statistics: a first mean mu0, then in a second pass the sums of the deviations
- *    d = x - mu0 and of d^2, which give the correction of the mean (Chan, Golub and LeVeque,
- *    1983) and the variance about it, never E[x^2] - E[x]^2;
- *  - every sum over a row runs in blocks of BLOCK elements, each summed in LANES partial
- *    sums in T; the block totals are added pairwise in float64, so the rounding error does
- *    not grow with the row length. The order depends on the row length only (never on the
- *    row's address, its place in the batch or the thread): results are bitwise batch and
- *    thread invariant;
- *  - the column sums of dweight and dbias are accumulated in float64 per block of
- *    NORMS_BLOCK_ROWS rows, and the blocks added pairwise (sum_blocks_pairwise);
- *  - compiled with -ffp-contract=off, so no multiply-add is fused behind our back. On
- *    x86-64 each exported kernel is also compiled for AVX2 and AVX-512 (NORMS_KERNEL) and the
- *    loader picks the widest the CPU has; the lanes and their order are written out in the
- *    C, held in vectors of the width the CPU has (norms_lanes.h), so every width gives
- *    the same bits (tests/test_cpu_kernels.py compares the builds and the widths).
+ * Compiled with -ffp-contract=off, so no multiply-add is fused behind our back. On x86-64 each
+ * exported kernel is also compiled for AVX2 and AVX-512 (target_clones) and the loader picks
+ * the widest the CPU has; the lanes and their order are written out in the C, so every
+ * version gives the same bits (tests/test_cpu_kernels.py compares them). Two build switches,
+ * for the tests: -DNORMS_NO_CLONES builds the baseline version alone, -DNORMS_NO_F16C the
+ * portable float16 conversion alone.
  *
  * Book: chapter "Implementation", section "A compiled kernel".
  */
@@ -37,111 +29,22 @@
 #include "norms.h"
 
 enum { LANES = 16, BLOCK = 256 };
-/* Rows up to this length are processed two at a time (the passes of two rows interleaved);
- * two rows of x and dy in float64 (256 KiB) still fit in a core's L2 cache. */
-enum { PAIR_MAX = 8192 };
 
-/* Non-temporal ("streaming") stores, where the target has them (SSE2: every x86-64): a large
- * output is written to memory without first being read into the cache (the read for
- * ownership of an ordinary store), so a forward moves two arrays' worth of bytes, not three.
- * Used when one call writes at least STREAM_BYTES, more than the caches hold, so the output
- * would not stay in cache anyway; smaller outputs stay in cache for whatever reads them next.
- * The values are the same either way: only how they reach memory differs. Chapter 5 times
- * both ways (`python -m lnlib.bench --steps`; on its 2-core machine streaming saved 3 to 9 %
- * of a 4096 x 4096 float32 forward into a reused output). -DNORMS_NO_STREAM builds without
- * them. */
-#if defined(__SSE2__) && !defined(NORMS_NO_STREAM)
-#include <emmintrin.h>
-#define NORMS_STREAM 1
-#else
-#define NORMS_STREAM 0
-#endif
-enum { STREAM_BYTES = 8 << 20 };
-
-/* Function multi-versioning where the compiler has it and the C library can pick a version
- * at load time (ifunc: glibc on x86-64); flatten inlines the helpers so that they are compiled
- * for each width too. -DNORMS_NO_CLONES builds one version only. */
 #if defined(__has_attribute) && defined(__x86_64__) && defined(__GLIBC__)
 #if __has_attribute(target_clones) && !defined(NORMS_NO_CLONES)
 #define NORMS_CLONES 1
 #endif
 #endif
-#ifndef NORMS_CLONES
-#define NORMS_CLONES 0
-#endif
-#if NORMS_CLONES
+#ifdef NORMS_CLONES
+/* flatten: the row functions are inlined, so they are compiled for each version too */
 #define NORMS_KERNEL __attribute__((target_clones("avx512f", "avx2", "default"), flatten))
 #else
 #define NORMS_KERNEL
 #endif
 
-/* The compiler's vector extension (GCC, Clang): the sums' lanes in vectors of the width the
- * CPU has (norms_lanes.h). Elsewhere, plain C loops over the same lanes. */
-#if defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 9) && !defined(NORMS_NO_VECTORS)
-#define NORMS_VECTORS 1
-#else
-#define NORMS_VECTORS 0
-#endif
-_Static_assert(LANES == 16, "the lanes' pairwise total halves 16 lanes (norms_lanes.h)");
-
-#define NORMS_PASTE_(a, b) a##b
-#define NORMS_PASTE(a, b) NORMS_PASTE_(a, b)
-
-/* The widest vectors, in bytes, that the CPU runs and this build was compiled for (with
- * multi-versioning, the loader picks the AVX-512 or AVX2 version where the CPU has it); the
- * block sums use vectors of this width. 0 until chosen. */
-static int vector_bytes_chosen;
-
-static int vector_bytes_best(void)
-{
-#if NORMS_VECTORS && (defined(__x86_64__) || defined(__i386__))
-#if NORMS_CLONES || defined(__AVX512F__)
-    const int built = 64;
-#elif defined(__AVX2__)
-    const int built = 32;
-#else
-    const int built = 16;
-#endif
-    __builtin_cpu_init();
-    int cpu = __builtin_cpu_supports("avx512f") ? 64 : __builtin_cpu_supports("avx2") ? 32 : 16;
-    return cpu < built ? cpu : built;
-#elif NORMS_VECTORS
-    return 16;
-#else
-    return 0;
-#endif
-}
-
-#if defined(__GNUC__)
-__attribute__((constructor))
-#endif
-static void vector_bytes_init(void)
-{
-    if (!vector_bytes_chosen)
-        vector_bytes_chosen = vector_bytes_best();
-}
-
-int norms_vector_bytes(void)
-{
-    vector_bytes_init();
-    return vector_bytes_chosen;
-}
-
-int norms_set_vector_bytes(int bytes)
-{
-    vector_bytes_init();
-    int before = vector_bytes_chosen, best = vector_bytes_best();
-    if (bytes == 0)
-        bytes = best;
-    if (!NORMS_VECTORS || (bytes != 16 && bytes != 32 && bytes != 64) || bytes > best)
-        return -1;
-    vector_bytes_chosen = bytes;
-    return before;
-}
-
 const char *norms_kernel_version(void)
 {
-#if NORMS_CLONES
+#ifdef NORMS_CLONES
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f"))
         return "avx512f";
@@ -149,6 +52,16 @@ const char *norms_kernel_version(void)
         return "avx2";
 #endif
     return "default";
+}
+
+/* Rows up to PAIR_MAX long go two at a time (the row functions' k): two rows of x and dy in
+ * float64 (256 KiB) still fit in a core's L2 cache. How many rows start at row r: */
+enum { PAIR_MAX = 8192 };
+_Static_assert(NORMS_BLOCK_ROWS % 2 == 0, "a pair of rows must fall in one row block");
+
+static int rows_at(ptrdiff_t r, ptrdiff_t m, ptrdiff_t n)
+{
+    return r + 1 < m && n <= PAIR_MAX ? 2 : 1;
 }
 
 static ptrdiff_t block_len(ptrdiff_t start, ptrdiff_t n)
@@ -171,23 +84,70 @@ static void pairwise_add(struct pairwise *s, double v)
     s->level[k] = v;
 }
 
-static double pairwise_total(const struct pairwise *s)
+/* Starts `count` pairwise sums (the levels are written before they are read). */
+static void pairwise_start(struct pairwise *s, int count)
 {
-    double total = 0;
-    for (int k = 0; (s->count >> k) != 0; k++)
-        if ((s->count >> k) & 1)
-            total = s->level[k] + total;
-    return total;
+    for (int c = 0; c < count; c++)
+        s[c].count = 0;
 }
 
-/* Copies n values of `size` bytes (4 or 8) from src to dst, with non-temporal stores for
- * the 16-byte-aligned part of dst. */
+/* The totals of `count` pairwise sums: the levels still held, from the lowest. */
+static void pairwise_totals(const struct pairwise *s, int count, double *total)
+{
+    for (int c = 0; c < count; c++, s++) {
+        total[c] = 0;
+        for (int k = 0; (s->count >> k) != 0; k++)
+            if ((s->count >> k) & 1)
+                total[c] = s->level[k] + total[c];
+    }
+}
+
+void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
+{
+    for (ptrdiff_t step = 1; step < nblocks; step *= 2)
+        for (ptrdiff_t b = 0; b + step < nblocks; b += 2 * step)
+            for (ptrdiff_t j = 0; j < n; j++)
+                blocks[b * n + j] += blocks[(b + step) * n + j];
+}
+
+/* Non-temporal ("streaming") stores (SSE2: every x86-64): an output row made in a scratch row
+ * that stays in cache is written to memory without the read for ownership of an ordinary
+ * store, so a forward moves two arrays' worth of bytes, not three. Only for calls that write
+ * at least STREAM_BYTES (more than the caches hold, so the output would not stay there) in
+ * rows of at most STREAM_ROW_MAX elements (the scratch row stays in L1 or L2). The values are
+ * the same either way; norms_set_streaming switches it for the benchmark. */
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+enum { STREAM_BYTES = 8 << 20, STREAM_ROW_MAX = 8192 };
+static int stream_enabled = 1;
+
+int norms_set_streaming(int enabled)
+{
+    int before = stream_enabled;
+    stream_enabled = enabled != 0;
+    return before;
+}
+
+/* `rows` scratch rows of n elements of `size` bytes when the call streams its (m, n) output,
+ * else NULL (also when malloc fails: the rows are then written in place, the same values). */
+static void *stream_scratch(ptrdiff_t m, ptrdiff_t n, size_t size, int rows)
+{
+#ifdef __SSE2__
+    if (stream_enabled && n <= STREAM_ROW_MAX && (size_t)m * (size_t)n * size >= STREAM_BYTES)
+        return malloc((size_t)rows * (size_t)n * size);
+#endif
+    (void)m, (void)n, (void)size, (void)rows;
+    return NULL;
+}
+
+/* n values of `size` bytes from src to dst, streamed where dst is 16-byte aligned. */
 static void stream_copy(void *dst, const void *src, ptrdiff_t n, size_t size)
 {
     char *d = dst;
     const char *s = src;
     size_t bytes = (size_t)n * size, i = 0;
-#if NORMS_STREAM
+#ifdef __SSE2__
     size_t head = (16 - (uintptr_t)d % 16) % 16;
     if (head % size == 0 && head <= bytes) {
         memcpy(d, s, head);
@@ -198,379 +158,415 @@ static void stream_copy(void *dst, const void *src, ptrdiff_t n, size_t size)
     memcpy(d + i, s + i, bytes - i);
 }
 
-/* Orders this thread's non-temporal stores before what it does next (the caller then hands
- * the output to other threads). */
-static void stream_fence(void)
+/* Frees the scratch and orders this thread's streamed stores before what it does next (the
+ * caller then hands the output to other threads). */
+static void stream_end(void *scratch)
 {
-#if NORMS_STREAM
-    _mm_sfence();
+#ifdef __SSE2__
+    if (scratch)
+        _mm_sfence();
 #endif
+    free(scratch);
 }
 
-static int stream_enabled = 1;
-
-int norms_set_streaming(int enabled)
-{
-    int before = stream_enabled;
-    stream_enabled = enabled != 0;
-    return before;
-}
-
-/* Scratch for two rows of output when a call writes enough to stream it, else NULL (also
- * when malloc fails: the rows are then written in place, with the same values). */
-static void *stream_scratch(ptrdiff_t m, ptrdiff_t n, size_t size)
-{
-    if (!NORMS_STREAM || !stream_enabled || n > PAIR_MAX
-        || (size_t)m * (size_t)n * size < STREAM_BYTES)
-        return NULL;
-    return malloc(2 * (size_t)n * size);
-}
-
-/* What a pass sums (block_sums in norms_lanes.h), with g = dy weight: x - shift;
- * (x - shift)^2; both; g and g (x - shift); g (x - shift). */
-enum { SUM_X, SUM_XX, SUM_DEV, SUM_G, SUM_GXC };
-
-/* The terms t1 (and t2, for SUM_DEV and SUM_G) of one element, or one vector of elements, for
- * a pass of that kind: the same operations in the same order for every width. */
-#define NORMS_TERMS(kind, x, dy, w, shift, t1, t2)                                             \
+/* The skeleton of a pass over the rows (norms_rows.h): per block, the lanes a[c] of `count`
+ * sums, to which the statements `...` add element e to lane k (element i of the block to lane
+ * i % LANES, the last short group's element k to lane k); then each block's lanes are added,
+ * in float64, to the sum's pairwise total, and the totals go to sum[]. The unroll pragma keeps
+ * the lane loop for the vectoriser (fully unrolled first, GCC would make the block loop
+ * in-order reductions). */
+#define LANE_PASS(count, n, sum, ...)                                                          \
     do {                                                                                       \
-        if ((kind) == SUM_X) {                                                                 \
-            t1 = (x) - (shift);                                                                \
-        } else if ((kind) == SUM_XX) {                                                         \
-            t1 = ((x) - (shift)) * ((x) - (shift));                                            \
-        } else if ((kind) == SUM_DEV) {                                                        \
-            t1 = (x) - (shift);                                                                \
-            t2 = t1 * t1;                                                                      \
-        } else if ((kind) == SUM_G) {                                                          \
-            t1 = (dy) * (w);                                                                   \
-            t2 = t1 * ((x) - (shift));                                                         \
-        } else {                                                                               \
-            t1 = (dy) * (w) * ((x) - (shift));                                                 \
+        struct pairwise s_[count];                                                             \
+        pairwise_start(s_, count);                                                             \
+        for (ptrdiff_t start = 0; start < (n); start += BLOCK) {                               \
+            ptrdiff_t end = start + block_len(start, (n)), i = start;                          \
+            T a[count][LANES] = {{0}};                                                         \
+            for (; i + LANES <= end; i += LANES)                                               \
+                _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                        \
+                {                                                                              \
+                    const ptrdiff_t e = i + k;                                                 \
+                    __VA_ARGS__                                                                \
+                }                                                                              \
+            for (int k = 0; i < end; i++, k++) {                                               \
+                const ptrdiff_t e = i;                                                         \
+                __VA_ARGS__                                                                    \
+            }                                                                                  \
+            FN(blocks_add)(s_, a, count);                                                      \
         }                                                                                      \
+        pairwise_totals(s_, count, sum);                                                       \
     } while (0)
 
-void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
-{
-    for (ptrdiff_t step = 1; step < nblocks; step *= 2)
-        for (ptrdiff_t b = 0; b + step < nblocks; b += 2 * step)
-            for (ptrdiff_t j = 0; j < n; j++)
-                blocks[b * n + j] += blocks[(b + step) * n + j];
-}
-
 #define T float
-#define TBYTES 4
 #define FN(name) name##_f32
-#include "norms_typed.h"
+#include "norms_rows.h"
 #undef T
-#undef TBYTES
 #undef FN
 
 #define T double
-#define TBYTES 8
 #define FN(name) name##_f64
-#include "norms_typed.h"
+#include "norms_rows.h"
 #undef T
-#undef TBYTES
 #undef FN
 
-/* float16: rows converted to float, the float functions above, the outputs rounded back. */
-#include "norms_half.h"
-
 /* ---------------------------------------------------------------------------------------
- * fused residual add (declared at the end of norms.h; the rounding is lnlib/_rows.py's)
- *
- * h = residual + x, then the norm of h: per block of `rows` rows (fused_rows: h's block is at
- * most NORMS_FUSED_BLOCK_BYTES, so it is still in the core's L2 cache when the norm reads it
- * back), the add writes the block of h (a plain loop the compiler vectorises), then the
- * kernel above runs on that block: y, mean and rstd are bitwise those of the norm of h. The
- * backward runs the norm's backward on a block (dx into the block of dsum), then adds dh to
- * the block while it is in cache. So a forward reads x and residual and writes h and y, a
- * backward reads dy, dh and h and writes dsum: each array crosses memory once.
- *
- * When a call writes at least STREAM_BYTES (as in the kernels above), the blocks of h, y and
- * dsum are made in scratch blocks and streamed to memory (stream_copy), so the outputs cost
- * no read for ownership; below that they are written in place. The values are the same.
- *
- * The blocks are a power of two of rows, at most NORMS_BLOCK_ROWS, and the caller starts a
- * chunk of a backward on a multiple of NORMS_BLOCK_ROWS: a block never straddles two row
- * blocks of the column sums, and each row block receives its rows in order, as in one call of
- * the backward kernel, so dweight and dbias are bitwise those of the unfused backward.
- *
- * h may be residual itself (written over it in place): each block of residual is read before
- * the same block of h is written, and no other block is touched. The norm's own functions are
- * called as they are (the exported kernels, with their multi-versioning), so the row code is
- * the one the unfused norm runs. */
+ * float16: a result is the float32 kernel's on the inputs converted to float (exact: every
+ * float16 is a float), with y and dx rounded once to float16, to nearest with ties to even;
+ * mean, rstd and the column sums are the float32 kernel's. Each row is converted into a
+ * scratch row (in cache), goes through the float row function, and its y or dx is converted
+ * into the output (ordinary stores). Conversions: the F16C instructions where the CPU has them
+ * (chosen at run time: the "avx2" version does not imply F16C), else bit operations; both are
+ * exact or correctly rounded, so they give the same bits. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(NORMS_NO_F16C)
+#define NORMS_F16C 1
+#include <immintrin.h>
+#endif
 
-static ptrdiff_t fused_rows(ptrdiff_t n, size_t hsize)
+/* float16 bits to float, exactly. A NaN stays a NaN with its payload, quieted (as F16C). */
+static float half_to_float(uint16_t h)
 {
-    ptrdiff_t rows = NORMS_BLOCK_ROWS;
-    while (rows > 1 && (size_t)rows * (size_t)n * hsize > NORMS_FUSED_BLOCK_BYTES)
-        rows /= 2;
-    return rows;
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (exp == 0x1f) /* infinity, or NaN */
+        bits = sign | 0x7f800000u | (man ? 0x400000u | man << 13 : 0);
+    else if (exp) /* normal: the exponent rebiased from 15 to 127 */
+        bits = sign | (exp + 112) << 23 | man << 13;
+    else { /* zero or subnormal: man 2^-24, a normal float (or zero), exact */
+        f = (float)man * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-/* Scratch of `count` elements of `size` bytes when the call streams its outputs, else NULL
- * (also when malloc fails: the outputs are then written in place, with the same values). */
-static void *fused_stream_scratch(ptrdiff_t m, ptrdiff_t n, size_t size, size_t count)
+/* h + 1 when the dropped bits `rest` are above half of the last kept bit's weight, or equal
+ * to it and h is odd: rounding to nearest, ties to even. */
+static uint32_t round_even(uint32_t h, uint32_t rest, uint32_t half)
 {
-    if (!NORMS_STREAM || !stream_enabled || (size_t)m * (size_t)n * size < STREAM_BYTES)
+    return h + (rest > half || (rest == half && (h & 1)));
+}
+
+/* float to float16 bits, to nearest, ties to even: 65520 and above overflow to infinity,
+ * small values become subnormals or zero; a NaN keeps the top of its payload and is quieted
+ * (as F16C). A carry out of the significand moves to the exponent by itself. */
+static uint16_t float_to_half(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) /* NaN */
+        return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) /* 65520 (halfway from 65504 to 2^16) or more */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a >= 0x38800000u) /* 2^-14 or more: normal; 13 bits dropped, exponent rebiased */
+        return (uint16_t)(sign | round_even((a >> 13) - (112u << 10), a & 0x1fffu, 0x1000u));
+    if (a <= 0x33000000u) /* 2^-25 or less (2^-25 is a tie, to the even 0) */
+        return (uint16_t)sign;
+    /* subnormal: the significand with its leading bit, in units of 2^-24 */
+    uint32_t man = (a & 0x7fffffu) | 0x800000u, shift = 126 - (a >> 23);
+    return (uint16_t)(sign | round_even(man >> shift, man & ((1u << shift) - 1),
+                                        1u << (shift - 1)));
+}
+
+#ifdef NORMS_F16C
+static int have_f16c(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("f16c");
+}
+
+/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a:
+ * eight values per instruction, the rest one by one. */
+__attribute__((target("avx,f16c"))) static void rows_in_f16c(const uint16_t *a, ptrdiff_t ld,
+                                                            float *f, ptrdiff_t stride, int k,
+                                                            ptrdiff_t n)
+{
+    for (int j = 0; j < k; j++, a += ld, f += stride) {
+        ptrdiff_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))));
+        for (; i < n; i++)
+            f[i] = half_to_float(a[i]);
+    }
+}
+
+__attribute__((target("avx,f16c"))) static void rows_out_f16c(const float *f, ptrdiff_t stride,
+                                                             uint16_t *a, int k, ptrdiff_t n)
+{
+    for (int j = 0; j < k; j++, a += n, f += stride) {
+        ptrdiff_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(a + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < n; i++)
+            a[i] = float_to_half(f[i]);
+    }
+}
+#else
+static int have_f16c(void)
+{
+    return 0;
+}
+#define rows_in_f16c(a, ld, f, stride, k, n) ((void)0)
+#define rows_out_f16c(f, stride, a, k, n) ((void)0)
+#endif
+
+const char *norms_half_conversion(void)
+{
+    return have_f16c() ? "f16c" : "portable";
+}
+
+/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a,
+ * with F16C where the CPU has it, else the bit operations. */
+static void rows_in(const uint16_t *a, ptrdiff_t ld, float *f, ptrdiff_t stride, int k,
+                    ptrdiff_t n)
+{
+    if (have_f16c())
+        rows_in_f16c(a, ld, f, stride, k, n);
+    else
+        for (int j = 0; j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                f[j * stride + i] = half_to_float(a[j * ld + i]);
+}
+
+static void rows_out(const float *f, ptrdiff_t stride, uint16_t *a, int k, ptrdiff_t n)
+{
+    if (have_f16c())
+        rows_out_f16c(f, stride, a, k, n);
+    else
+        for (int j = 0; j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                a[j * n + i] = float_to_half(f[j * stride + i]);
+}
+
+/* n float16 values to float, and back (exported for the tests). */
+void norms_half_to_float(const uint16_t *h, float *f, ptrdiff_t n)
+{
+    rows_in(h, n, f, n, 1, n);
+}
+
+void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
+{
+    rows_out(f, n, h, 1, n);
+}
+
+/* Scratch for float16 rows: `arrays` arrays of two float rows, each `stride` floats (a
+ * multiple of 16) apart; array a, row j at scratch + (2 a + j) stride. */
+static float *float_rows(int arrays, ptrdiff_t n, ptrdiff_t *stride)
+{
+    *stride = (n + 15) / 16 * 16;
+    if (n > PTRDIFF_MAX / 64 / arrays)
         return NULL;
-    return malloc(count * size);
+    return malloc(((size_t)arrays * 2 * (size_t)*stride + 1) * sizeof(float));
 }
 
-/* h = r + x for k rows (x, r ld apart, h contiguous; h may be r): float, double. */
-static void fused_add_f32(const float *x, ptrdiff_t ldx, const float *r, ptrdiff_t ldr,
-                          float *h, ptrdiff_t ldh, ptrdiff_t k, ptrdiff_t n)
+/* The float16 forward and backward, with or without the fused residual add, as the typed ones
+ * (norms_rows.h): all float16 (h, dh, dsum float16 too); the add in float, h rounded once to
+ * float16 (the float sum of two float16 values rounds to the float16 nearest their exact sum,
+ * as NumPy adds float16) and read back; dsum = float16(float16(dx) + dh). */
+static int forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
+                       ptrdiff_t ldr, const float *weight, const float *bias, uint16_t *y,
+                       uint16_t *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
+                       double eps)
 {
-    for (ptrdiff_t i = 0; i < k; i++) {
-        const float *xi = x + i * ldx, *ri = r + i * ldr;
-        float *hi = h + i * ldh;
-        for (ptrdiff_t j = 0; j < n; j++)
-            hi[j] = ri[j] + xi[j];
+    ptrdiff_t st;
+    float *s = float_rows(3, n, &st), *rf = s + 2 * st, *yf = s + 4 * st;
+    if (!s)
+        return 1;
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        k = rows_at(r, m, n);
+        rows_in(x + r * ldx, ldx, s, st, k, n);
+        if (residual) {
+            rows_in(residual + r * ldr, ldr, rf, st, k, n);
+            for (ptrdiff_t j = 0; j < k; j++)
+                for (ptrdiff_t i = 0; i < n; i++)
+                    s[j * st + i] = rf[j * st + i] + s[j * st + i];
+            rows_out(s, st, h + r * n, k, n);
+            rows_in(h + r * n, n, s, st, k, n);
+        }
+        if (rms)
+            rms_norm_forward_rows_f32(k, s, st, weight, yf, st, rstd + r, n, eps);
+        else
+            layer_norm_forward_rows_f32(k, s, st, weight, bias, yf, st, mean + r, rstd + r, n,
+                                        eps);
+        rows_out(yf, st, y + r * n, k, n);
     }
+    free(s);
+    return 0;
 }
 
-static void fused_add_f64(const double *x, ptrdiff_t ldx, const double *r, ptrdiff_t ldr,
-                          double *h, ptrdiff_t ldh, ptrdiff_t k, ptrdiff_t n)
+static int backward_f16(int rms, const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
+                        ptrdiff_t lddh, const uint16_t *x, ptrdiff_t ldx, const float *mean,
+                        const float *rstd, const float *weight, uint16_t *dx,
+                        double *dweight_blocks, double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)
 {
-    for (ptrdiff_t i = 0; i < k; i++) {
-        const double *xi = x + i * ldx, *ri = r + i * ldr;
-        double *hi = h + i * ldh;
-        for (ptrdiff_t j = 0; j < n; j++)
-            hi[j] = ri[j] + xi[j];
+    ptrdiff_t st;
+    float *s = float_rows(3, n, &st), *xf = s + 2 * st, *d = s + 4 * st;
+    if (!s)
+        return 1;
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
+        k = rows_at(r, m, n);
+        rows_in(dy + r * lddy, lddy, s, st, k, n);
+        rows_in(x + r * ldx, ldx, xf, st, k, n);
+        if (rms)
+            rms_norm_backward_rows_f32(k, s, st, xf, st, rstd + r, weight, d, st,
+                                       dweight_blocks + b, n);
+        else
+            layer_norm_backward_rows_f32(k, s, st, xf, st, mean + r, rstd + r, weight, d, st,
+                                         dweight_blocks + b, dbias_blocks + b, n);
+        rows_out(d, st, dx + r * n, k, n);
+        if (dh) {
+            rows_in(dx + r * n, n, d, st, k, n);
+            rows_in(dh + r * lddh, lddh, s, st, k, n);
+            for (ptrdiff_t j = 0; j < k; j++)
+                for (ptrdiff_t i = 0; i < n; i++)
+                    d[j * st + i] = d[j * st + i] + s[j * st + i];
+            rows_out(d, st, dx + r * n, k, n);
+        }
     }
+    free(s);
+    return 0;
 }
 
-/* float16: h = r + x added in float and rounded once to float16 (the float sum of two
- * float16 values rounds to the float16 nearest their exact sum: float has more than twice
- * float16's precision plus two bits), as NumPy adds float16. cv: 2 n floats. */
-static void fused_add_f16(const uint16_t *x, ptrdiff_t ldx, const uint16_t *r, ptrdiff_t ldr,
-                          uint16_t *h, ptrdiff_t ldh, ptrdiff_t k, ptrdiff_t n, float *cv,
-                          int how)
-{
-    for (ptrdiff_t i = 0; i < k; i++) {
-        halves_to_floats(x + i * ldx, cv, n, how);
-        halves_to_floats(r + i * ldr, cv + n, n, how);
-        for (ptrdiff_t j = 0; j < n; j++)
-            cv[j] = cv[n + j] + cv[j];
-        floats_to_halves(cv, h + i * ldh, n, how);
-    }
-}
-
-/* float16 x, float residual and h: x converted exactly, the sum in float. cv: n floats. */
-static void fused_add_f16f32(const uint16_t *x, ptrdiff_t ldx, const float *r, ptrdiff_t ldr,
-                             float *h, ptrdiff_t ldh, ptrdiff_t k, ptrdiff_t n, float *cv,
-                             int how)
-{
-    for (ptrdiff_t i = 0; i < k; i++) {
-        halves_to_floats(x + i * ldx, cv, n, how);
-        fused_add_f32(cv, n, r + i * ldr, ldr, h + i * ldh, ldh, 1, n);
-    }
-}
-
-/* The forward and backward over one element type; rms selects RMSNorm (bias and mean unused). */
-#define NORMS_FUSED_TYPED(T, S)                                                                \
-    static int fused_forward_##S(int rms, const T *x, ptrdiff_t ldx, const T *residual,        \
-                                 ptrdiff_t ldr, const T *weight, const T *bias, T *y, T *h,    \
-                                 T *mean, T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)       \
-    {                                                                                          \
-        ptrdiff_t rows = fused_rows(n, sizeof(T));                                             \
-        T *hs = fused_stream_scratch(m, n, sizeof(T), 2 * (size_t)rows * (size_t)n);           \
-        for (ptrdiff_t r = 0; r < m; r += rows) {                                              \
-            ptrdiff_t k = m - r < rows ? m - r : rows;                                         \
-            T *hb = hs ? hs : h + r * n, *yb = hs ? hs + rows * n : y + r * n;                 \
-            fused_add_##S(x + r * ldx, ldx, residual + r * ldr, ldr, hb, n, k, n);             \
-            if (rms)                                                                           \
-                rms_norm_forward_##S(hb, n, weight, yb, rstd + r, k, n, eps);                  \
-            else                                                                               \
-                layer_norm_forward_##S(hb, n, weight, bias, yb, mean + r, rstd + r, k, n,      \
-                                       eps);                                                   \
-            if (hs) {                                                                          \
-                stream_copy(h + r * n, hb, k * n, sizeof(T));                                  \
-                stream_copy(y + r * n, yb, k * n, sizeof(T));                                  \
-            }                                                                                  \
-        }                                                                                      \
-        free(hs);                                                                              \
-        stream_fence();                                                                        \
-        return 0;                                                                              \
-    }                                                                                          \
-                                                                                               \
-    static int fused_backward_##S(int rms, const T *dy, ptrdiff_t lddy, const T *dh,           \
-                                  ptrdiff_t lddh, const T *h, ptrdiff_t ldh, const T *mean,    \
-                                  const T *rstd, const T *weight, T *dsum, double *dwb,        \
-                                  double *dbb, ptrdiff_t m, ptrdiff_t n)                       \
-    {                                                                                          \
-        ptrdiff_t rows = fused_rows(n, sizeof(T));                                             \
-        T *ds = fused_stream_scratch(m, n, sizeof(T), (size_t)rows * (size_t)n);               \
-        for (ptrdiff_t r = 0; r < m; r += rows) {                                              \
-            ptrdiff_t k = m - r < rows ? m - r : rows, b = (r / NORMS_BLOCK_ROWS) * n;         \
-            T *db = ds ? ds : dsum + r * n;                                                    \
-            if (rms)                                                                           \
-                rms_norm_backward_##S(dy + r * lddy, lddy, h + r * ldh, ldh, rstd + r, weight, \
-                                      db, dwb + b, k, n);                                      \
-            else                                                                               \
-                layer_norm_backward_##S(dy + r * lddy, lddy, h + r * ldh, ldh, mean + r,       \
-                                        rstd + r, weight, db, dwb + b, dbb + b, k, n);         \
-            if (dh) /* dsum = dx + dh */                                                       \
-                fused_add_##S(dh + r * lddh, lddh, db, n, db, n, k, n);                        \
-            if (ds)                                                                            \
-                stream_copy(dsum + r * n, ds, k * n, sizeof(T));                               \
-        }                                                                                      \
-        free(ds);                                                                              \
-        stream_fence();                                                                        \
-        return 0;                                                                              \
-    }
-
-NORMS_FUSED_TYPED(float, f32)
-NORMS_FUSED_TYPED(double, f64)
-
-/* float16 x (and residual, h): the add as fused_add_f16, then the float16 kernels on the
- * block of h (each row through the float32 row code, y rounded once). Written in place. */
-static int fused_forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
-                             ptrdiff_t ldr, const float *weight, const float *bias, uint16_t *y,
-                             uint16_t *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
-                             double eps)
-{
-    ptrdiff_t rows = fused_rows(n, sizeof(uint16_t));
-    float *cv = malloc(2 * (size_t)n * sizeof(float) + 1);
-    int how = half_conversion(), status = cv == NULL;
-    for (ptrdiff_t r = 0; r < m && !status; r += rows) {
-        ptrdiff_t k = m - r < rows ? m - r : rows;
-        fused_add_f16(x + r * ldx, ldx, residual + r * ldr, ldr, h + r * n, n, k, n, cv, how);
-        status = rms ? rms_norm_forward_f16(h + r * n, n, weight, y + r * n, rstd + r, k, n, eps)
-                     : layer_norm_forward_f16(h + r * n, n, weight, bias, y + r * n, mean + r,
-                                              rstd + r, k, n, eps);
-    }
-    free(cv);
-    return status;
-}
-
-static int fused_backward_f16(int rms, const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
-                              ptrdiff_t lddh, const uint16_t *h, ptrdiff_t ldh, const float *mean,
-                              const float *rstd, const float *weight, uint16_t *dsum,
-                              double *dwb, double *dbb, ptrdiff_t m, ptrdiff_t n)
-{
-    ptrdiff_t rows = fused_rows(n, sizeof(uint16_t));
-    float *cv = malloc(2 * (size_t)n * sizeof(float) + 1);
-    int how = half_conversion(), status = cv == NULL;
-    for (ptrdiff_t r = 0; r < m && !status; r += rows) {
-        ptrdiff_t k = m - r < rows ? m - r : rows, b = (r / NORMS_BLOCK_ROWS) * n;
-        uint16_t *db = dsum + r * n;
-        status = rms ? rms_norm_backward_f16(dy + r * lddy, lddy, h + r * ldh, ldh, rstd + r,
-                                             weight, db, dwb + b, k, n)
-                     : layer_norm_backward_f16(dy + r * lddy, lddy, h + r * ldh, ldh, mean + r,
-                                               rstd + r, weight, db, dwb + b, dbb + b, k, n);
-        if (!status && dh)
-            fused_add_f16(dh + r * lddh, lddh, db, n, db, n, k, n, cv, how);
-    }
-    free(cv);
-    return status;
-}
-
-/* float16 x, y and dy with float residual, h, dh and dsum (the stream kept in float32): x
- * and dy converted exactly to float, then the float32 kernels on the block; y rounded once
- * to float16 from the float32 kernel's y. h and dsum streamed as in the typed versions. */
-static int fused_forward_f16f32(int rms, const uint16_t *x, ptrdiff_t ldx, const float *residual,
+/* The fused residual add with float16 x, y, dy and a float stream (residual, h, dh, dsum):
+ * x and dy converted exactly, the float32 row functions, y rounded once; h and dsum streamed
+ * as in the typed versions. */
+static int forward_f16f32(int rms, const uint16_t *x, ptrdiff_t ldx, const float *residual,
                                 ptrdiff_t ldr, const float *weight, const float *bias,
                                 uint16_t *y, float *h, float *mean, float *rstd, ptrdiff_t m,
                                 ptrdiff_t n, double eps)
 {
-    ptrdiff_t rows = fused_rows(n, sizeof(float));
-    size_t block = (size_t)rows * (size_t)n;
-    float *buf = malloc((block + (size_t)n) * sizeof(float));
-    float *hs = fused_stream_scratch(m, n, sizeof(float), block);
-    if (!buf) {
+    ptrdiff_t st;
+    float *s = float_rows(2, n, &st), *yf = s + 2 * st;
+    float *hs = stream_scratch(m, n, sizeof(float), 2);
+    if (!s) {
         free(hs);
         return 1;
     }
-    float *yf = buf, *cv = buf + block;
-    int how = half_conversion();
-    for (ptrdiff_t r = 0; r < m; r += rows) {
-        ptrdiff_t k = m - r < rows ? m - r : rows;
-        float *hb = hs ? hs : h + r * n;
-        fused_add_f16f32(x + r * ldx, ldx, residual + r * ldr, ldr, hb, n, k, n, cv, how);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        float *hr = hs ? hs : h + r * n;
+        k = rows_at(r, m, n);
+        rows_in(x + r * ldx, ldx, s, st, k, n);
+        for (ptrdiff_t j = 0; j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                hr[j * n + i] = residual[(r + j) * ldr + i] + s[j * st + i];
         if (rms)
-            rms_norm_forward_f32(hb, n, weight, yf, rstd + r, k, n, eps);
+            rms_norm_forward_rows_f32(k, hr, n, weight, yf, st, rstd + r, n, eps);
         else
-            layer_norm_forward_f32(hb, n, weight, bias, yf, mean + r, rstd + r, k, n, eps);
-        floats_to_halves(yf, y + r * n, k * n, how);
+            layer_norm_forward_rows_f32(k, hr, n, weight, bias, yf, st, mean + r, rstd + r, n,
+                                        eps);
+        rows_out(yf, st, y + r * n, k, n);
         if (hs)
-            stream_copy(h + r * n, hb, k * n, sizeof(float));
+            stream_copy(h + r * n, hr, k * n, sizeof(float));
     }
-    free(buf);
-    free(hs);
-    stream_fence();
+    free(s);
+    stream_end(hs);
     return 0;
 }
 
-static int fused_backward_f16f32(int rms, const uint16_t *dy, ptrdiff_t lddy, const float *dh,
+static int backward_f16f32(int rms, const uint16_t *dy, ptrdiff_t lddy, const float *dh,
                                  ptrdiff_t lddh, const float *h, ptrdiff_t ldh, const float *mean,
-                                 const float *rstd, const float *weight, float *dsum, double *dwb,
-                                 double *dbb, ptrdiff_t m, ptrdiff_t n)
+                                 const float *rstd, const float *weight, float *dsum,
+                                 double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
+                                 ptrdiff_t n)
 {
-    ptrdiff_t rows = fused_rows(n, sizeof(float));
-    size_t block = (size_t)rows * (size_t)n;
-    float *dyf = malloc(block * sizeof(float));
-    float *ds = fused_stream_scratch(m, n, sizeof(float), block);
-    if (!dyf) {
+    ptrdiff_t st;
+    float *s = float_rows(1, n, &st), *ds = stream_scratch(m, n, sizeof(float), 2);
+    if (!s) {
         free(ds);
         return 1;
     }
-    int how = half_conversion();
-    for (ptrdiff_t r = 0; r < m; r += rows) {
-        ptrdiff_t k = m - r < rows ? m - r : rows, b = (r / NORMS_BLOCK_ROWS) * n;
-        float *db = ds ? ds : dsum + r * n;
-        for (ptrdiff_t i = 0; i < k; i++)
-            halves_to_floats(dy + (r + i) * lddy, dyf + i * n, n, how);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
+        float *d = ds ? ds : dsum + r * n;
+        k = rows_at(r, m, n);
+        rows_in(dy + r * lddy, lddy, s, st, k, n);
         if (rms)
-            rms_norm_backward_f32(dyf, n, h + r * ldh, ldh, rstd + r, weight, db, dwb + b, k, n);
+            rms_norm_backward_rows_f32(k, s, st, h + r * ldh, ldh, rstd + r, weight, d, n,
+                                       dweight_blocks + b, n);
         else
-            layer_norm_backward_f32(dyf, n, h + r * ldh, ldh, mean + r, rstd + r, weight, db,
-                                    dwb + b, dbb + b, k, n);
-        if (dh)
-            fused_add_f32(dh + r * lddh, lddh, db, n, db, n, k, n);
+            layer_norm_backward_rows_f32(k, s, st, h + r * ldh, ldh, mean + r, rstd + r, weight,
+                                         d, n, dweight_blocks + b, dbias_blocks + b, n);
+        for (ptrdiff_t j = 0; dh && j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                d[j * n + i] = d[j * n + i] + dh[(r + j) * lddh + i];
         if (ds)
-            stream_copy(dsum + r * n, ds, k * n, sizeof(float));
+            stream_copy(dsum + r * n, d, k * n, sizeof(float));
     }
-    free(dyf);
-    free(ds);
-    stream_fence();
+    free(s);
+    stream_end(ds);
     return 0;
 }
 
-/* The exported functions (norms.h): LayerNorm (rms 0) and RMSNorm (rms 1) of each variant. */
-#define NORMS_FUSED_EXPORTS(S, TX, TR, TP)                                                     \
-    int add_layer_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TR *residual,             \
-                                   ptrdiff_t ldr, const TP *weight, const TP *bias, TX *y,     \
-                                   TR *h, TP *mean, TP *rstd, ptrdiff_t m, ptrdiff_t n,        \
-                                   double eps)                                                 \
+/* The exported functions (norms.h): LayerNorm (rms 0) and RMSNorm (rms 1), without and with
+ * the residual add (add_*), of each type. */
+#define NORMS_EXPORTS(S, TX, TP, RET, RETURN)                                                  \
+    NORMS_KERNEL RET layer_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TP *weight,      \
+                                            const TP *bias, TX *y, TP *mean, TP *rstd,         \
+                                            ptrdiff_t m, ptrdiff_t n, double eps)              \
     {                                                                                          \
-        return fused_forward_##S(0, x, ldx, residual, ldr, weight, bias, y, h, mean, rstd, m,  \
-                                 n, eps);                                                      \
+        RETURN forward_##S(0, x, ldx, NULL, 0, weight, bias, y, NULL, mean, rstd, m, n, eps);  \
     }                                                                                          \
-    int add_rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TR *residual, ptrdiff_t ldr, \
-                                 const TP *weight, TX *y, TR *h, TP *rstd, ptrdiff_t m,        \
-                                 ptrdiff_t n, double eps)                                      \
+    NORMS_KERNEL RET rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TP *weight, TX *y, \
+                                          TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps)      \
     {                                                                                          \
-        return fused_forward_##S(1, x, ldx, residual, ldr, weight, NULL, y, h, NULL, rstd, m,  \
-                                 n, eps);                                                      \
+        RETURN forward_##S(1, x, ldx, NULL, 0, weight, NULL, y, NULL, NULL, rstd, m, n, eps);  \
     }                                                                                          \
-    int add_layer_norm_backward_##S(const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, \
-                                    const TR *h, ptrdiff_t ldh, const TP *mean, const TP *rstd, \
-                                    const TP *weight, TR *dsum, double *dweight_blocks,        \
-                                    double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)            \
+    NORMS_KERNEL RET layer_norm_backward_##S(                                                  \
+        const TX *dy, ptrdiff_t lddy, const TX *x, ptrdiff_t ldx, const TP *mean,              \
+        const TP *rstd, const TP *weight, TX *dx, double *dweight_blocks,                      \
+        double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)                                        \
     {                                                                                          \
-        return fused_backward_##S(0, dy, lddy, dh, lddh, h, ldh, mean, rstd, weight, dsum,     \
-                                  dweight_blocks, dbias_blocks, m, n);                         \
+        RETURN backward_##S(0, dy, lddy, NULL, 0, x, ldx, mean, rstd, weight, dx,              \
+                            dweight_blocks, dbias_blocks, m, n);                               \
     }                                                                                          \
-    int add_rms_norm_backward_##S(const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh,   \
-                                  const TR *h, ptrdiff_t ldh, const TP *rstd, const TP *weight, \
-                                  TR *dsum, double *dweight_blocks, ptrdiff_t m, ptrdiff_t n)  \
+    NORMS_KERNEL RET rms_norm_backward_##S(const TX *dy, ptrdiff_t lddy, const TX *x,          \
+                                           ptrdiff_t ldx, const TP *rstd, const TP *weight,    \
+                                           TX *dx, double *dweight_blocks, ptrdiff_t m,        \
+                                           ptrdiff_t n)                                        \
     {                                                                                          \
-        return fused_backward_##S(1, dy, lddy, dh, lddh, h, ldh, NULL, rstd, weight, dsum,     \
-                                  dweight_blocks, NULL, m, n);                                 \
+        RETURN backward_##S(1, dy, lddy, NULL, 0, x, ldx, NULL, rstd, weight, dx,              \
+                            dweight_blocks, NULL, m, n);                                       \
     }
 
+#define NORMS_FUSED_EXPORTS(S, TX, TR, TP)                                                     \
+    NORMS_KERNEL int add_layer_norm_forward_##S(                                               \
+        const TX *x, ptrdiff_t ldx, const TR *residual, ptrdiff_t ldr, const TP *weight,       \
+        const TP *bias, TX *y, TR *h, TP *mean, TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps) \
+    {                                                                                          \
+        return forward_##S(0, x, ldx, residual, ldr, weight, bias, y, h, mean, rstd, m, n,     \
+                           eps);                                                               \
+    }                                                                                          \
+    NORMS_KERNEL int add_rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TR *residual,  \
+                                              ptrdiff_t ldr, const TP *weight, TX *y, TR *h,   \
+                                              TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps)  \
+    {                                                                                          \
+        return forward_##S(1, x, ldx, residual, ldr, weight, NULL, y, h, NULL, rstd, m, n,     \
+                           eps);                                                               \
+    }                                                                                          \
+    NORMS_KERNEL int add_layer_norm_backward_##S(                                              \
+        const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, const TR *h, ptrdiff_t ldh, \
+        const TP *mean, const TP *rstd, const TP *weight, TR *dsum, double *dweight_blocks,    \
+        double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)                                        \
+    {                                                                                          \
+        return backward_##S(0, dy, lddy, dh, lddh, h, ldh, mean, rstd, weight, dsum,           \
+                            dweight_blocks, dbias_blocks, m, n);                               \
+    }                                                                                          \
+    NORMS_KERNEL int add_rms_norm_backward_##S(                                                \
+        const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, const TR *h, ptrdiff_t ldh, \
+        const TP *rstd, const TP *weight, TR *dsum, double *dweight_blocks, ptrdiff_t m,       \
+        ptrdiff_t n)                                                                           \
+    {                                                                                          \
+        return backward_##S(1, dy, lddy, dh, lddh, h, ldh, NULL, rstd, weight, dsum,           \
+                            dweight_blocks, NULL, m, n);                                       \
+    }
+
+NORMS_EXPORTS(f32, float, float, void, (void))
+NORMS_EXPORTS(f64, double, double, void, (void))
+NORMS_EXPORTS(f16, uint16_t, float, int, return)
 NORMS_FUSED_EXPORTS(f32, float, float, float)
 NORMS_FUSED_EXPORTS(f64, double, double, double)
 NORMS_FUSED_EXPORTS(f16, uint16_t, uint16_t, float)

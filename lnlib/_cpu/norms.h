@@ -49,11 +49,11 @@ void rms_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *x, pt
                            const double *rstd, const double *weight, double *dx,
                            double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
 
-/* float16 (the _f16 kernels, norms_half.h): x, dy, y and dx hold IEEE binary16 bits
- * (uint16_t); weight, bias, mean and rstd are float. Each row is converted to float, goes
- * through the float32 kernel's row functions, and y and dx are rounded to float16 once (to
- * nearest, ties to even): the results are exactly those of the _f32 kernel on the inputs
- * converted to float32. They return 0, or 1 when the scratch rows cannot be allocated. */
+/* float16 (the _f16 kernels): x, dy, y and dx hold IEEE binary16 bits (uint16_t); weight,
+ * bias, mean and rstd are float. Each row is converted to float, goes through the float32
+ * kernel's row functions, and y and dx are rounded to float16 once (to nearest, ties to
+ * even): the results are exactly those of the _f32 kernel on the inputs converted to float32.
+ * They return 0, or 1 when the scratch rows cannot be allocated. */
 int layer_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const float *weight,
                            const float *bias, uint16_t *y, float *mean, float *rstd,
                            ptrdiff_t m, ptrdiff_t n, double eps);
@@ -67,25 +67,16 @@ int rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *x,
                           const float *rstd, const float *weight, uint16_t *dx,
                           double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
 
-/* How the float16 kernels convert: "f16c" (the x86-64 instructions, where the CPU has
- * them), "_Float16" (the compiler's type) or "portable" (bit operations); the same bits. */
+/* How the float16 kernels convert: "f16c" (the x86-64 instructions, where the CPU has them)
+ * or "portable" (bit operations); the same bits. norms_half_to_float and norms_float_to_half
+ * convert n values with it, exactly and to nearest with ties to even: for the tests. */
 const char *norms_half_conversion(void);
-/* n values from float16 bits to float (exact), and from float to float16 bits (to nearest,
- * ties to even), with that conversion: for the tests. */
 void norms_half_to_float(const uint16_t *h, float *f, ptrdiff_t n);
 void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n);
 
 /* The version of the kernels the loader picked for this CPU: "avx512f", "avx2" or "default"
  * (the compiler's baseline; the only one where multi-versioning is not available). */
 const char *norms_kernel_version(void);
-
-/* The bytes of the vectors that hold the row sums' 16 lanes: 64 (AVX-512), 32 (AVX2), 16
- * (SSE2 and other targets), 0 (plain C); the widest this CPU and build have. The sums, so the
- * bits, are the same for every width. norms_set_vector_bytes(b) makes the kernels use b (16,
- * 32 or 64, at most the widest; 0 for the widest) and returns the previous width, or -1 for
- * a width not available (nothing changed): for the tests and the benchmark. */
-int norms_vector_bytes(void);
-int norms_set_vector_bytes(int bytes);
 
 /* Switches the streaming of large outputs (non-temporal stores, on by default) on or off for
  * the whole process; returns the previous setting. The values written are the same either
@@ -95,17 +86,14 @@ int norms_set_streaming(int enabled);
 /* Adds the rows of blocks (nblocks, n) pairwise, in a fixed order; the total ends in row 0. */
 void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n);
 
-/* The fused residual add (norms.c, section "fused residual add"): h = residual + x, then the
- * norm of h; the backward dsum = dh + dx. lnlib/_rows.py states the rounding. Per block of
- * rows whose h fits in NORMS_FUSED_BLOCK_BYTES (a power of two of rows, at most
- * NORMS_BLOCK_ROWS, so a block never straddles a row block of the column sums), the add into h,
- * then the kernel above on that block of h while it is in cache: y is bitwise the kernel's
- * y of h, dsum bitwise its dx plus dh. residual rows ldr apart; h, y, dsum contiguous (m, n);
- * h may be residual itself (ldr == n), nothing else overlaps. dh may be NULL (zero).
- * Suffixes: _f32, _f64 and _f16 all arrays in that type (float16 as uint16_t bits, weight,
- * bias, mean, rstd in float); _f16f32: x, y and dy float16, residual, h, dh, dsum float.
- * They return 0, or 1 when their scratch cannot be allocated. */
-enum { NORMS_FUSED_BLOCK_BYTES = 128 << 10 };
+/* The fused residual add: h = residual + x, then the norm of h; the backward dsum = dx + dh.
+ * lnlib/_rows.py states the rounding. Two rows at a time, the add into h, then the norm's row
+ * code on those rows of h while they are in cache: y is bitwise the kernel's y of h, dsum its dx
+ * plus dh. residual rows ldr apart; h, y, dsum contiguous (m, n); h may be residual itself
+ * (ldr == n), nothing else overlaps. dh may be NULL (zero). Suffixes: _f32, _f64 and _f16 all
+ * arrays in that type (float16 as uint16_t bits, weight, bias, mean, rstd in float); _f16f32:
+ * x, y and dy float16, residual, h, dh, dsum float. They return 0, or 1 when their scratch
+ * cannot be allocated. */
 int add_layer_norm_forward_f32(const float *x, ptrdiff_t ldx, const float *residual,
                                ptrdiff_t ldr, const float *weight, const float *bias, float *y,
                                float *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,

@@ -253,7 +253,7 @@ def check_sharded_rms_rstd(fn: Callable[..., Any]) -> CheckResult:
 def _ref_lane_sum(x, lanes=16):
     """Sum over the last axis as lnlib's CPU kernel sums one block of a row (exercise 5.6):
     element ``i`` added, in order, to lane ``i % lanes`` in the dtype of ``x``, the lanes
-    then widened to float64 and added pairwise (``norms_lanes.h``)."""
+    then widened to float64 and added pairwise (``lanes_total`` in ``norms_rows.h``)."""
     x = np.asarray(x)
     n = x.shape[-1]
     acc = np.zeros(x.shape[:-1] + (lanes,), dtype=x.dtype)  # one partial sum per lane

@@ -117,8 +117,18 @@ def lane_sum_lanes_in_dtype(x, lanes=16):
 
 _SHIM = """
 #include "norms.c"
-double lane_block_sum_f32(const float *x, ptrdiff_t n) { return row_sum_f32(x, n); }
-double lane_block_sum_f64(const double *x, ptrdiff_t n) { return row_sum_f64(x, n); }
+double lane_block_sum_f32(const float *x, ptrdiff_t n)
+{
+    double s[2];
+    row_sum_f32(x, x, n, s);
+    return s[0];
+}
+double lane_block_sum_f64(const double *x, ptrdiff_t n)
+{
+    double s[2];
+    row_sum_f64(x, x, n, s);
+    return s[0];
+}
 """
 
 

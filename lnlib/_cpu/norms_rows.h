@@ -1,0 +1,232 @@
+/* The kernels over one element type, included by norms.c once for float and once for double:
+ *   T       the element type
+ *   FN(f)   the name f with the type's suffix (f_f32, f_f64)
+ *
+ * Every sum over a row runs in blocks of BLOCK elements. Within a block, element i goes to
+ * lane i % LANES of an accumulator of LANES values of T (the last, short group of a block:
+ * its element k to lane k); the lanes are added pairwise in float64 (lanes_total), and the
+ * block totals pairwise in float64 (struct pairwise). Each pass is one function whose loop is
+ * the skeleton LANE_PASS (norms.c) with the pass's terms; the compiler vectorises the lanes for
+ * each instruction set. */
+
+/* The lanes added pairwise in float64: lane k + lane k + 8, then + 4, + 2, + 1. */
+static double FN(lanes_total)(const T a[LANES])
+{
+    double s[8];
+#pragma GCC unroll 2
+    for (int k = 0; k < 8; k++)
+        s[k] = (double)a[k] + (double)a[k + 8];
+    for (int k = 0; k < 4; k++)
+        s[k] += s[k + 4];
+    for (int k = 0; k < 2; k++)
+        s[k] += s[k + 2];
+    return s[0] + s[1];
+}
+
+/* The block's lanes of `count` sums, each added to its pairwise total. */
+static void FN(blocks_add)(struct pairwise *s, T a[][LANES], int count)
+{
+    for (int c = 0; c < count; c++)
+        pairwise_add(&s[c], FN(lanes_total)(a[c]));
+}
+
+/* The passes' sums, over rows a and b at once (b may be a; each row's sums are the same alone
+ * or in a pair): sum[0], sum[1] for rows a and b, and a second sum in sum[2], sum[3]. */
+static void FN(row_sum)(const T *xa, const T *xb, ptrdiff_t n, double sum[2])
+{
+    LANE_PASS(2, n, sum, a[0][k] += xa[e]; a[1][k] += xb[e];);
+}
+
+/* Sums of d = x - shift and of d^2. */
+static void FN(row_sums_dev)(const T *xa, const T *xb, ptrdiff_t n, const T shift[2],
+                             double sum[4])
+{
+    LANE_PASS(4, n, sum, T da = xa[e] - shift[0]; T db = xb[e] - shift[1]; a[0][k] += da;
+              a[1][k] += db; a[2][k] += da * da; a[3][k] += db * db;);
+}
+
+/* Sum of x^2. */
+static void FN(row_sum_sq)(const T *xa, const T *xb, ptrdiff_t n, double sum[2])
+{
+    LANE_PASS(2, n, sum, a[0][k] += xa[e] * xa[e]; a[1][k] += xb[e] * xb[e];);
+}
+
+/* Sums of g = dy weight and of g (x - shift). */
+static void FN(row_sums_g)(const T *dya, const T *dyb, const T *weight, const T *xa,
+                           const T *xb, ptrdiff_t n, const T shift[2], double sum[4])
+{
+    LANE_PASS(4, n, sum, T ga = dya[e] * weight[e]; T gb = dyb[e] * weight[e]; a[0][k] += ga;
+              a[1][k] += gb; a[2][k] += ga * (xa[e] - shift[0]);
+              a[3][k] += gb * (xb[e] - shift[1]););
+}
+
+/* Sum of g x. */
+static void FN(row_sum_gx)(const T *dya, const T *dyb, const T *weight, const T *xa,
+                           const T *xb, ptrdiff_t n, double sum[2])
+{
+    LANE_PASS(2, n, sum, a[0][k] += dya[e] * weight[e] * xa[e];
+              a[1][k] += dyb[e] * weight[e] * xb[e];);
+}
+
+/* The row functions take k = 1 or 2 rows (rows_at), ld elements apart: the passes of sums over
+ * both at once, then the pass that writes y or dx row after row. */
+
+/* [listing: layer-norm-row] (chapter 5 shows from here to its end marker) */
+/* Two-pass statistics: a first mean mu0, then the sums of d = x - mu0 and of d^2, whose mean
+ * corrects mu0 and whose variance is taken about the corrected mean (Chan, Golub and
+ * LeVeque, 1983), never E[x^2] - E[x]^2. Then y. */
+static void FN(layer_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const T *weight,
+                                        const T *bias, T *restrict y, ptrdiff_t ldy, T *mean,
+                                        T *rstd, ptrdiff_t n, double eps)
+{
+    double s[4];
+    FN(row_sum)(x, x + (k - 1) * ldx, n, s);
+    T mu0[2] = {(T)(s[0] / n), (T)(s[1] / n)};
+    FN(row_sums_dev)(x, x + (k - 1) * ldx, n, mu0, s);
+    for (int j = 0; j < k; j++, x += ldx, y += ldy) {
+        double delta = s[j] / n, var = s[2 + j] / n - delta * delta;
+        T mu = (T)(mu0[j] + delta), rs = (T)(1 / sqrt(var + eps));
+        for (ptrdiff_t i = 0; i < n; i++)
+            y[i] = (x[i] - mu) * rs * weight[i] + bias[i];
+        mean[j] = mu;
+        rstd[j] = rs;
+    }
+}
+/* [end listing: layer-norm-row] */
+
+/* dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy weight; adds dy xhat and dy to the
+ * row block's column sums dweight and dbias, row a's term before row b's (one load and store
+ * of each column sum for both rows). */
+static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const T *x,
+                                         ptrdiff_t ldx, const T *mean, const T *rstd,
+                                         const T *weight, T *restrict dx, ptrdiff_t lddx,
+                                         double *restrict dweight, double *restrict dbias,
+                                         ptrdiff_t n)
+{
+    double s[4];
+    const T shift[2] = {mean[0], mean[k - 1]}, rs[2] = {rstd[0], rstd[k - 1]};
+    FN(row_sums_g)(dy, dy + (k - 1) * lddy, weight, x, x + (k - 1) * ldx, n, shift, s);
+    T g[2], gx[2];
+    for (int j = 0; j < 2; j++) {
+        g[j] = (T)(s[j] / n);
+        gx[j] = (T)(s[2 + j] * rs[j] / n);
+    }
+    if (k == 1) { /* row a alone: the same pass (GCC would not split the loop below) */
+        for (ptrdiff_t i = 0; i < n; i++) {
+            T xhat = (x[i] - shift[0]) * rs[0];
+            dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat * gx[0]);
+            dweight[i] += dy[i] * xhat;
+            dbias[i] += dy[i];
+        }
+        return;
+    }
+    for (ptrdiff_t i = 0; i < n; i++) {
+        T xhat = (x[i] - shift[0]) * rs[0], xhat_b = (x[ldx + i] - shift[1]) * rs[1];
+        dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat * gx[0]);
+        dx[lddx + i] = rs[1] * (dy[lddy + i] * weight[i] - g[1] - xhat_b * gx[1]);
+        double dw = dweight[i] + dy[i] * xhat, db = dbias[i] + dy[i];
+        dweight[i] = dw + dy[lddy + i] * xhat_b;
+        dbias[i] = db + dy[lddy + i];
+    }
+}
+
+static void FN(rms_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const T *weight,
+                                      T *restrict y, ptrdiff_t ldy, T *rstd, ptrdiff_t n,
+                                      double eps)
+{
+    double s[2];
+    FN(row_sum_sq)(x, x + (k - 1) * ldx, n, s);
+    for (int j = 0; j < k; j++, x += ldx, y += ldy) {
+        T rs = (T)(1 / sqrt(s[j] / n + eps));
+        for (ptrdiff_t i = 0; i < n; i++)
+            y[i] = x[i] * rs * weight[i];
+        rstd[j] = rs;
+    }
+}
+
+/* dx = rstd (g - xhat mean(g xhat)), xhat = x rstd; adds dy xhat to dweight, as above. */
+static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const T *x,
+                                       ptrdiff_t ldx, const T *rstd, const T *weight,
+                                       T *restrict dx, ptrdiff_t lddx, double *restrict dweight,
+                                       ptrdiff_t n)
+{
+    double s[2];
+    const T rs[2] = {rstd[0], rstd[k - 1]};
+    FN(row_sum_gx)(dy, dy + (k - 1) * lddy, weight, x, x + (k - 1) * ldx, n, s);
+    const T gx[2] = {(T)(s[0] * rs[0] / n), (T)(s[1] * rs[1] / n)};
+    for (ptrdiff_t i = 0; i < n; i++) {
+        T xhat = x[i] * rs[0];
+        dx[i] = rs[0] * (dy[i] * weight[i] - xhat * gx[0]);
+        double dw = dweight[i] + dy[i] * xhat;
+        if (k == 2) {
+            T xhat_b = x[ldx + i] * rs[1];
+            dx[lddx + i] = rs[1] * (dy[lddy + i] * weight[i] - xhat_b * gx[1]);
+            dw += dy[lddy + i] * xhat_b;
+        }
+        dweight[i] = dw;
+    }
+}
+
+/* The forward of rows x, ldx apart, or, with a residual, of h = residual + x (the fused
+ * residual add: h written, contiguous, then normalised while it is in cache), a pair of rows at a
+ * time (rows_at); rms selects RMSNorm (bias and mean unused). A large output is made in scratch
+ * and streamed to memory (stream_scratch). */
+static int FN(forward)(int rms, const T *x, ptrdiff_t ldx, const T *residual, ptrdiff_t ldr,
+                       const T *weight, const T *bias, T *y, T *h, T *mean, T *rstd, ptrdiff_t m,
+                       ptrdiff_t n, double eps)
+{
+    T *s = stream_scratch(m, n, sizeof(T), residual ? 4 : 2);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        const T *in = x + r * ldx;
+        ptrdiff_t ld = ldx;
+        T *yr = s ? s : y + r * n, *hr = NULL;
+        k = rows_at(r, m, n);
+        if (residual) {
+            hr = s ? s + 2 * n : h + r * n;
+            for (ptrdiff_t j = 0; j < k; j++)
+                for (ptrdiff_t i = 0; i < n; i++)
+                    hr[j * n + i] = residual[(r + j) * ldr + i] + x[(r + j) * ldx + i];
+            in = hr;
+            ld = n;
+        }
+        if (rms)
+            FN(rms_norm_forward_rows)(k, in, ld, weight, yr, n, rstd + r, n, eps);
+        else
+            FN(layer_norm_forward_rows)(k, in, ld, weight, bias, yr, n, mean + r, rstd + r, n,
+                                        eps);
+        if (s)
+            stream_copy(y + r * n, yr, k * n, sizeof(T));
+        if (s && residual)
+            stream_copy(h + r * n, hr, k * n, sizeof(T));
+    }
+    stream_end(s);
+    return 0;
+}
+
+/* The backward of rows x (h of the fused add), with dsum = dx + dh when dh is given. */
+static int FN(backward)(int rms, const T *dy, ptrdiff_t lddy, const T *dh, ptrdiff_t lddh,
+                        const T *x, ptrdiff_t ldx, const T *mean, const T *rstd,
+                        const T *weight, T *dx, double *dweight_blocks, double *dbias_blocks,
+                        ptrdiff_t m, ptrdiff_t n)
+{
+    T *s = stream_scratch(m, n, sizeof(T), 2);
+    for (ptrdiff_t r = 0, k; r < m; r += k) {
+        ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
+        T *d = s ? s : dx + r * n;
+        k = rows_at(r, m, n);
+        if (rms)
+            FN(rms_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, rstd + r,
+                                       weight, d, n, dweight_blocks + b, n);
+        else
+            FN(layer_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, mean + r,
+                                         rstd + r, weight, d, n, dweight_blocks + b,
+                                         dbias_blocks + b, n);
+        for (ptrdiff_t j = 0; dh && j < k; j++)
+            for (ptrdiff_t i = 0; i < n; i++)
+                d[j * n + i] = d[j * n + i] + dh[(r + j) * lddh + i];
+        if (s)
+            stream_copy(dx + r * n, d, k * n, sizeof(T));
+    }
+    stream_end(s);
+    return 0;
+}
