@@ -7,7 +7,6 @@ fails instead when ``LNLIB_REQUIRE_GPU=1`` (``make gpu-check`` sets it), so a GP
 cannot pass this file without running it.
 """
 
-
 import numpy as np
 import pytest
 from conftest import _cupy_with_gpu, host, skip_or_fail

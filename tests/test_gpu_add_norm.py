@@ -15,7 +15,6 @@ Needs CuPy and a CUDA GPU: skipped with the reason where either is missing, fail
 under ``LNLIB_REQUIRE_GPU=1`` (``make gpu-check`` sets it).
 """
 
-
 import numpy as np
 import pytest
 from conftest import _cupy_with_gpu, skip_or_fail

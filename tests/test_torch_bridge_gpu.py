@@ -6,7 +6,6 @@ missing, and fails instead when ``LNLIB_REQUIRE_GPU=1``, so a GPU machine cannot
 file without running it.
 """
 
-
 import pytest
 from conftest import skip_or_fail
 
