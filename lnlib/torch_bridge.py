@@ -29,6 +29,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import textwrap
 
 import numpy as np
 import torch
@@ -183,12 +184,21 @@ _FORWARD = r"""Run :func:`lnlib.{0}` on the tensors' memory; save what the backw
         """
 
 
-def _function(lnlib_forward, results):
+_CLASS = (
+    "The autograd function of :func:`{0}`, its forward and backward lnlib's.\n\n"
+    "``apply({1})`` returns ``{2}`` of :func:`lnlib.{3}`{4}; its backward is that of "
+    ":func:`lnlib.{5}`. Covered in {6}."
+)
+
+
+def _function(name, results, note="", covered=":ref:`sec-ch05-torch-bridge`"):
     """Class decorator, the one pattern of every Function here: its ``forward(ctx, x, ...)``
     runs where lnlib works on ``x`` and returns through :func:`_finish`; the tensors among the
     inputs of ``apply`` are those torch may ask gradients of (each in its dtype), and the one
-    :func:`_backward` gives them. ``lnlib_forward`` and ``results`` name, in the docstring of
-    ``forward``, the lnlib function it runs and what it returns."""
+    :func:`_backward` gives them. ``name`` is the function of this module that applies it and
+    of lnlib (``name_forward`` where lnlib has one) that it runs; ``results``, ``note`` and
+    ``covered`` say, in the docstrings, what it returns and where the book covers it."""
+    lnlib_forward = f"{name}_forward" if hasattr(lnlib, f"{name}_forward") else name
 
     def make(cls):
         forward = cls.forward
@@ -201,23 +211,24 @@ def _function(lnlib_forward, results):
 
         inputs = ", ".join(map(str, list(inspect.signature(forward).parameters.values())[1:]))
         run.__doc__ = _FORWARD.format(lnlib_forward, inputs, results)
+        inputs = inputs.replace(", *weight_offset", "[, weight_offset]")
+        shown = f"({results})" if "," in results else results
+        fields = (name, inputs, shown, lnlib_forward, note, f"{name}_backward", covered)
+        summary, text = _CLASS.format(*fields).split("\n\n")
+        cls.__doc__ = summary + "\n\n" + textwrap.fill(text, 96)
         cls.forward, cls.backward = staticmethod(run), staticmethod(_backward)
         return cls
 
     return make
 
 
-@_function("layer_norm_forward", "y, mean, rstd")
+@_function(
+    "layer_norm",
+    "y, mean, rstd",
+    " (the statistics float32, or float64 for float64 ``x``, not "
+    "differentiable; what it saves in :ref:`sec-ch05-saves`)",
+)
 class LayerNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`layer_norm`, its forward and backward lnlib's.
-
-    ``apply(x, weight, bias, normalized_ndim, eps[, weight_offset])`` returns ``(y, mean, rstd)``
-    of :func:`lnlib.layer_norm_forward` over the last ``normalized_ndim`` axes (the statistics,
-    float32 or float64 for float64 ``x``, not differentiable) and saves ``x``, ``weight``,
-    ``mean`` and ``rstd`` for :func:`lnlib.layer_norm_backward`. Covered in
-    :ref:`sec-ch05-torch-bridge`; what the forward saves in :ref:`sec-ch05-saves`.
-    """
-
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_ndim, eps, *weight_offset):
         offset, arrays = sum(weight_offset), map(_to_array, (x, weight, bias))
@@ -231,16 +242,8 @@ class LayerNormFunction(torch.autograd.Function):
         return _finish(ctx, [(y, x.dtype)], stats, (x, weight), backward)
 
 
-@_function("rms_norm_forward", "y, rstd")
+@_function("rms_norm", "y, rstd", " (``rstd`` not differentiable)")
 class RMSNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`rms_norm`, its forward and backward lnlib's.
-
-    ``apply(x, weight, normalized_ndim, eps[, weight_offset])`` returns ``(y, rstd)`` of
-    :func:`lnlib.rms_norm_forward` over the last ``normalized_ndim`` axes (``rstd`` not
-    differentiable) and saves ``x``, ``weight`` and ``rstd`` for
-    :func:`lnlib.rms_norm_backward`. Covered in :ref:`sec-ch05-torch-bridge`.
-    """
-
     @staticmethod
     def forward(ctx, x, weight, normalized_ndim, eps, *weight_offset):
         offset, arrays = sum(weight_offset), map(_to_array, (x, weight))
@@ -266,18 +269,15 @@ def _memory_format(x):
     return torch.contiguous_format
 
 
-@_function("group_norm_forward", "y, mean, rstd")
+@_function(
+    "group_norm",
+    "y, mean, rstd",
+    " (statistics of shape ``(N, G)``, not differentiable; ``y`` "
+    "and the gradient of ``x`` in the memory format of ``x``)",
+    ':doc:`/book/04_variants`, section "The family by axes"; the bridge in '
+    ":ref:`sec-ch05-torch-bridge`",
+)
 class GroupNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`group_norm`, its forward and backward lnlib's.
-
-    ``apply(x, num_groups, weight, bias, eps)`` returns ``(y, mean, rstd)`` of
-    :func:`lnlib.group_norm_forward` (statistics of shape ``(N, G)``, not differentiable; ``y``
-    and the gradient of ``x`` in the memory format of ``x``) and saves ``x``, ``weight``,
-    ``mean`` and ``rstd`` for :func:`lnlib.group_norm_backward`. Covered in
-    :doc:`/book/04_variants`, section "The family by axes"; the bridge in
-    :ref:`sec-ch05-torch-bridge`.
-    """
-
     @staticmethod
     def forward(ctx, x, num_groups, weight, bias, eps):
         arrays = (_to_array(x), num_groups, _to_array(weight), _to_array(bias))
@@ -290,18 +290,15 @@ class GroupNormFunction(torch.autograd.Function):
         return _finish(ctx, [(y, x.dtype)], stats, (x, weight), backward, _memory_format(x))
 
 
-@_function("dynamic_tanh", "y")
+@_function(
+    "dynamic_tanh",
+    "y",
+    " (``alpha`` a tensor of shape () or (1,), the DyT authors' layout, or "
+    "a number: a constant, used in the accumulation dtype, not rounded to the dtype of ``x``)",
+    ':doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh"; the bridge in '
+    ":ref:`sec-ch05-torch-bridge`",
+)
 class DynamicTanhFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`dynamic_tanh`, its forward and backward lnlib's.
-
-    ``apply(x, alpha, weight, bias)`` returns ``y`` of :func:`lnlib.dynamic_tanh` and saves
-    ``x``, ``weight`` and a tensor ``alpha`` for :func:`lnlib.dynamic_tanh_backward`; ``alpha``
-    is a tensor of shape () or (1,) (the DyT authors' layout), or a number (a constant, used in
-    the accumulation dtype, not rounded to the dtype of ``x``). Covered in
-    :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh"; the bridge in
-    :ref:`sec-ch05-torch-bridge`.
-    """
-
     @staticmethod
     def forward(ctx, x, alpha, weight, bias):
         constant = None if isinstance(alpha, torch.Tensor) else alpha
@@ -490,17 +487,14 @@ def _add_norm_forward(ctx, forward, backward, x, residual, params, ndim, eps, of
     return _finish(ctx, [(y, x.dtype), (h, h_dtype)], stats, (params[0],), fused_backward)
 
 
-@_function("add_layer_norm_forward", "y, h, mean, rstd")
+@_function(
+    "add_layer_norm",
+    "y, h, mean, rstd",
+    " (``y`` and ``h`` differentiable, the statistics "
+    "not; ``dsum`` of the backward is the gradient of ``x`` and of ``residual`` alike)",
+    ":ref:`sec-ch05-fused-add`",
+)
 class AddLayerNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`add_layer_norm`, its forward and backward lnlib's.
-
-    ``apply(x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype)``
-    returns ``(y, h, mean, rstd)`` of :func:`lnlib.add_layer_norm_forward` (``y`` and ``h``
-    differentiable, the statistics not) and saves ``weight``, ``h``, ``mean`` and ``rstd`` for
-    :func:`lnlib.add_layer_norm_backward`, whose ``dsum`` is the gradient of ``x`` and of
-    ``residual`` alike. Covered in :ref:`sec-ch05-fused-add`.
-    """
-
     @staticmethod
     def forward(
         ctx, x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype
@@ -510,16 +504,13 @@ class AddLayerNormFunction(torch.autograd.Function):
         return _add_norm_forward(ctx, *fns, x, residual, (weight, bias), *args)
 
 
-@_function("add_rms_norm_forward", "y, h, rstd")
+@_function(
+    "add_rms_norm",
+    "y, h, rstd",
+    " (``y`` and ``h`` differentiable, ``rstd`` not)",
+    ":ref:`sec-ch05-fused-add`",
+)
 class AddRMSNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`add_rms_norm`, its forward and backward lnlib's.
-
-    ``apply(x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype)`` returns
-    ``(y, h, rstd)`` of :func:`lnlib.add_rms_norm_forward` (``y`` and ``h`` differentiable,
-    ``rstd`` not) and saves ``weight``, ``h`` and ``rstd`` for
-    :func:`lnlib.add_rms_norm_backward`. Covered in :ref:`sec-ch05-fused-add`.
-    """
-
     @staticmethod
     def forward(ctx, x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype):
         fns = lnlib.add_rms_norm_forward, lnlib.add_rms_norm_backward
