@@ -215,7 +215,7 @@ def _function(name, results, note="", covered=":ref:`sec-ch05-torch-bridge`"):
         shown = f"({results})" if "," in results else results
         fields = (name, inputs, shown, lnlib_forward, note, f"{name}_backward", covered)
         summary, text = _CLASS.format(*fields).split("\n\n")
-        cls.__doc__ = summary + "\n\n" + textwrap.fill(text, 96)
+        cls.__doc__ = summary + "\n\n" + textwrap.fill(text, 96, break_on_hyphens=False)
         cls.forward, cls.backward = staticmethod(run), staticmethod(_backward)
         return cls
 
