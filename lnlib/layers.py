@@ -9,7 +9,7 @@ remembers what its last :meth:`forward` saved. A forward/backward pair is one st
 
 import numpy as np
 
-from ._docs import doc, entries
+from ._docs import ENTRIES, RMS, doc, parameters
 from ._validate import normalized_shape_value, weight_offset_value
 from .ada_norm import (
     ada_layer_norm_backward,
@@ -85,6 +85,7 @@ def _backward_doc(fn, stored, more="", outputs="dx : ndarray, shape and dtype of
 
 
 _Y = "y : ndarray, shape and dtype of ``x``"
+_params, _rms_params = parameters(ENTRIES), parameters({**ENTRIES, **RMS})
 
 
 class _Layer:
@@ -138,20 +139,11 @@ class _Norm(_Layer):
         return {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
 
 
-@entries
+@_params
 class LayerNorm(_Norm):
     r"""LayerNorm over the trailing ``normalized_shape`` axes, with weight and bias.
 
     Covered in :ref:`sec-ch02-one-vector` and :ref:`sec-ch02-backward`.
-
-    Parameters
-    ----------
-    {normalized_shape}
-    {eps}
-    elementwise_affine, bias : bool, default True
-        Whether to hold a weight :math:`\gamma` and, with it, a bias :math:`\beta` (zeros).
-    {dtype}
-    {scale_offset}
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -172,22 +164,11 @@ class LayerNorm(_Norm):
         )
 
 
-@entries
+@_rms_params
 class RMSNorm(_Norm):
     """RMSNorm over the trailing ``normalized_shape`` axes, with a weight (gain).
 
     Covered in :doc:`/book/04_variants`, section "RMSNorm".
-
-    Parameters
-    ----------
-    {normalized_shape}
-    eps : float, default 1e-6
-        Added to the mean square inside the square root.
-    elementwise_affine : bool, default True
-        Whether to hold a weight (the gain).
-    dtype : dtype, default float32
-        Dtype of the weight.
-    {gain_offset}
     """
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32,
@@ -206,7 +187,7 @@ class RMSNorm(_Norm):
         return self._keep(*rms_norm_backward(dy, *self._take(), self.weight, weight_offset=offset))
 
 
-@entries
+@_params
 class AdaLN(_Layer):
     """Adaptive LayerNorm with its conditioning layer (adaLN-Zero by default), as in DiT.
 
@@ -224,14 +205,11 @@ class AdaLN(_Layer):
         D, the size of the last axis of ``x``.
     cond_dim : int
         C, the size of the conditioning vector.
-    eps : float, default 1e-6
-        Added to the variance inside the square root.
     zero_init : bool, default True
         adaLN-Zero (weight and bias zero). Otherwise the weight is drawn from
         N(0, 1/cond_dim) with ``rng``.
     rng : numpy.random.Generator, optional
         Random generator for the weight when ``zero_init`` is False.
-    {dtype}
 
     Attributes
     ----------
@@ -315,7 +293,7 @@ class AdaLN(_Layer):
         return dx, dc
 
 
-@entries
+@_params
 class BatchNorm(_Layer):
     """BatchNorm over (N, C, ...) with running statistics, for comparison with LayerNorm.
 
@@ -325,10 +303,8 @@ class BatchNorm(_Layer):
     ----------
     num_features : int
         Number of channels C.
-    {eps}
     momentum : float, default 0.1
         Weight of the batch statistics in the running averages.
-    {affine}
     dtype : dtype, default float32
         Dtype of the parameters and running statistics.
 
@@ -388,21 +364,11 @@ class BatchNorm(_Layer):
         return self._keep(*batch_norm_backward(dy, x, mean, rstd, self.weight, training=training))
 
 
-@entries
+@_params
 class GroupNorm(_Layer):
     """GroupNorm over (N, C, ...) with a per-channel weight and bias, like ``torch.nn.GroupNorm``.
 
     Covered in :doc:`/book/04_variants`, section "The family by axes".
-
-    Parameters
-    ----------
-    num_groups : int
-        G, a divisor of ``num_channels``.
-    num_channels : int
-        C.
-    {eps}
-    {affine}
-    {dtype}
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
@@ -426,6 +392,7 @@ class GroupNorm(_Layer):
         return self._keep(*group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight))
 
 
+@_params
 class DynamicTanh(_Layer):
     """Dynamic Tanh, ``y = weight * tanh(alpha * x) + bias`` over the last axis (DyT).
 
@@ -487,18 +454,12 @@ _ADD_BACKWARD = (
 )
 
 
+@_params
 class AddLayerNorm(LayerNorm):
     r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives
     ``(y, h)`` with ``h = residual + x`` and ``y`` the LayerNorm of ``h``.
 
     Covered in :ref:`sec-ch05-fused-add`.
-
-    Parameters
-    ----------
-    normalized_shape, eps, elementwise_affine, bias, dtype, weight_offset
-        As for :class:`LayerNorm`.
-    residual_dtype : dtype, optional
-        Keyword only. The dtype ``h`` is stored in (None: that of ``residual``).
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -522,14 +483,10 @@ class AddLayerNorm(LayerNorm):
         return self._keep(*add_layer_norm_backward(dy, dh, *saved, self.weight, **kw))
 
 
+@_rms_params
 class AddRMSNorm(RMSNorm):
     r"""The residual add fused with :class:`RMSNorm`, as :class:`AddLayerNorm` fuses it with
     :class:`LayerNorm`: ``y`` is the RMSNorm of ``h``. Covered in :ref:`sec-ch05-fused-add`.
-
-    Parameters
-    ----------
-    normalized_shape, eps, elementwise_affine, dtype, weight_offset, residual_dtype
-        As for :class:`RMSNorm` and :class:`AddLayerNorm`.
     """
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True,
