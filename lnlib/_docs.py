@@ -19,6 +19,31 @@ def doc(template, *fields):
     return give
 
 
+STEP = """{0}
+
+Parameters
+----------
+{1}
+
+Returns
+-------
+{2}
+
+Raises
+------
+{3}TypeError, ValueError
+    As for {4}.
+"""
+
+
+def step(summary, inputs, outputs, fns, raises=""):
+    """Decorator: the docstring of one step of a layer or function (a ``forward``, a
+    ``backward``): ``inputs`` and ``outputs`` are its numpydoc entries (one string, entries on
+    their own lines), its errors those of ``fns`` (``raises``: entries of more errors before
+    them)."""
+    return doc(STEP, summary, inputs, outputs, raises, fns)
+
+
 #: Parameter entries (numpydoc, unindented) by parameter name; ``{default}`` stands for the
 #: parameter's default in the signature of the function or class documented.
 ENTRIES = {

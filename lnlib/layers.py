@@ -9,7 +9,7 @@ remembers what its last :meth:`forward` saved. A forward/backward pair is one st
 
 import numpy as np
 
-from ._docs import ENTRIES, RMS, doc, parameters
+from ._docs import ENTRIES, RMS, parameters, step
 from ._validate import normalized_shape_value, weight_offset_value
 from .ada_norm import (
     ada_layer_norm_backward,
@@ -33,58 +33,28 @@ from .rms_norm import rms_norm_backward, rms_norm_forward
 __all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh"]
 __all__ += ["AddLayerNorm", "AddRMSNorm"]
 
-_FORWARD = r"""Compute the layer with :func:`lnlib.{0}`; save what backward needs.
-
-    Parameters
-    ----------
-    {3} : ndarray
-        Shape ``{1}``, floating{4}.
-
-    Returns
-    -------
-    {5}
-        {2}
-
-    Raises
-    ------
-    TypeError, ValueError
-        As for :func:`lnlib.{0}`.
-    """
-
-_BACKWARD = r"""Backward of the last :meth:`forward` (:func:`lnlib.{0}`); also stores {1}.
-
-    Parameters
-    ----------
-    dy : ndarray, shape of the last forward's ``x``
-        Gradient of the loss with respect to the last forward's output{2}.
-
-    Returns
-    -------
-    {3}
-        Gradient of the loss with respect to the last forward's input{4}.
-
-    Raises
-    ------
-    RuntimeError
-        No forward has been run.
-    TypeError, ValueError
-        As for :func:`lnlib.{0}`.
-    """
+_X = "x : ndarray\n    Shape ``{}``, floating."
+_NO_FORWARD = "RuntimeError\n    No forward has been run.\n"
 
 
-def _forward_doc(fn, shape, result, inputs="x", note="", outputs=None):
-    """The docstring of a layer's ``forward`` (:data:`_FORWARD`); by default one ``x``, one
-    ``y``."""
-    return doc(_FORWARD, fn, shape, result, inputs, note, outputs or _Y)
+def _forward_doc(fn, shape, result, inputs=_X, outputs="y : ndarray, shape and dtype of ``x``"):
+    """The docstring of a layer's ``forward`` through the lnlib function ``fn``: by default from
+    ``x`` of ``shape`` to ``y``, which is ``result``."""
+    return step(f"Compute the layer with :func:`lnlib.{fn}`; save what backward needs.",
+                inputs.format(shape),
+                f"{outputs}\n    {result}", f":func:`lnlib.{fn}`")  # fmt: skip
 
 
-def _backward_doc(fn, stored, more="", outputs="dx : ndarray, shape and dtype of ``x``", to=""):
-    """The docstring of a layer's ``backward`` (:data:`_BACKWARD`); by default ``dy`` to
-    ``dx``."""
-    return doc(_BACKWARD, fn, stored, more, outputs, to)
+def _backward_doc(fn, stored, dh="", outputs="dx : ndarray, shape and dtype of ``x``", to=""):
+    """The docstring of a layer's ``backward`` through the lnlib function ``fn``: by
+    default from ``dy`` to ``dx``, with ``dh`` (the entry of a second gradient) after ``dy``."""
+    summary = f"Backward of the last :meth:`forward` (:func:`lnlib.{fn}`); also stores {stored}."
+    dy = "dy : ndarray, shape of the last forward's ``x``\n    Gradient of the loss with respect "
+    dy += "to the last forward's output" + (" ``y``." if dh else ".") + dh
+    dx = f"{outputs}\n    Gradient of the loss with respect to the last forward's input{to}."
+    return step(summary, dy, dx, f":func:`lnlib.{fn}`", _NO_FORWARD)
 
 
-_Y = "y : ndarray, shape and dtype of ``x``"
 _params, _rms_params = parameters(ENTRIES), parameters({**ENTRIES, **RMS})
 
 
@@ -442,13 +412,12 @@ class DynamicTanh(_Layer):
 _ADD_FORWARD = (
     "(*lead, *normalized_shape)",
     "The normalized ``h`` (dtype of ``x``) and ``h = residual + x`` (``residual_dtype``).",
-    "x, residual",
-    "; the two dtypes may differ",
+    "x, residual : ndarray\n    Shape ``{}``, floating; the two dtypes may differ.",
     "y, h : ndarray, shape of ``x``",
 )
 _ADD_BACKWARD = (
-    " ``y``.\n    dh : ndarray, shape of ``x``, optional\n        Gradient with respect to"
-    " ``h``, arriving along the residual stream (None: zero)",
+    "\ndh : ndarray, shape of ``x``, optional\n    Gradient with respect to ``h``, arriving "
+    "along the residual stream (None: zero).",
     "dsum : ndarray, shape and dtype of ``h``",
     "s ``x`` and ``residual`` alike",
 )

@@ -165,20 +165,8 @@ def _backward(ctx, dy, *grads):
     return tuple(grads)
 
 
-_FORWARD = r"""Run :func:`lnlib.{0}` on the tensors' memory; save what the backward needs.
-
-        Parameters
-        ----------
-        ctx : torch.autograd.function.FunctionCtx
-            Torch's context object, where the forward saves what the backward needs.
-        {1}
-            The arguments of ``apply``, as the class describes them.
-
-        Returns
-        -------
-        {2} : torch.Tensor
-            The results of ``apply``, as the class describes them.
-        """
+_CTX = """ctx : torch.autograd.function.FunctionCtx
+    Torch's context object, where the forward saves what the backward needs."""
 
 
 def _function(name, results):
@@ -200,7 +188,14 @@ def _function(name, results):
                 return forward(ctx, x, *args)
 
         inputs = ", ".join(map(str, list(inspect.signature(forward).parameters.values())[1:]))
-        run.__doc__ = _FORWARD.format(lnlib_forward, inputs, results)
+        fn = f":func:`lnlib.{lnlib_forward}`"
+        args = f"{_CTX}\n{inputs}\n    The arguments of ``apply``, as the class describes them."
+        out = (
+            f"{results} : torch.Tensor\n    The results of ``apply``, as the class describes them."
+        )
+        run.__doc__ = _docs.STEP.format(
+            f"Run {fn} on the tensors' memory; save what the backward needs.", args, out, "", fn
+        )
         if cls.__doc__:  # None under python -OO
             shown = f"({results})" if "," in results else results
             text = f"``apply({inputs.replace(', *weight_offset', '[, weight_offset]')})`` "
@@ -572,37 +567,21 @@ def _affine(learned):
     return {"weight": 1.0 if learned else None, "bias": 0.0 if learned else None}
 
 
-_MODULE_FORWARD = r"""Compute {1} with :func:`{0}`.
-
-        Parameters
-        ----------
-        {2}
-            {3}
-
-        Returns
-        -------
-        {4}
-            {5}; differentiable (once).
-
-        Raises
-        ------
-        TypeError, ValueError
-            As for :func:`{0}`.
-        """
+_MODULE_STEPS = {  # a module's forward: what it computes, from what, to what
+    False: ("the layer", "x : torch.Tensor\n    Input, floating, on the device of the "
+            "parameters (CPU or CUDA).", "torch.Tensor\n    Shape and dtype of ``x``"),
+    True: ("``h = residual + x`` and the layer on ``h``", "x, residual : torch.Tensor\n    The "
+           "sublayer's output and the residual stream, one shape, on the parameters' device.",
+           "y, h : torch.Tensor\n    The normalized ``h`` (dtype of ``x``) and ``h`` itself"),
+}  # fmt: skip
 
 
 def _module_forward(fn, fused=False):
     """The docstring of a module's ``forward`` through ``fn``: from ``x`` to ``y``, or
     (``fused``) from ``x`` and ``residual`` to ``y`` and ``h``."""
-    if not fused:
-        return _docs.doc(_MODULE_FORWARD, fn, "the layer on ``x``", "x : torch.Tensor",
-                         "Input, floating, on the device of the parameters (CPU or CUDA).",
-                         "torch.Tensor", "Shape and dtype of ``x``")  # fmt: skip
-    return _docs.doc(_MODULE_FORWARD, fn, "``h = residual + x`` and the layer on ``h``",
-                     "x, residual : torch.Tensor",
-                     "The sublayer's output and the residual stream, one shape, on the "
-                     "parameters' device.", "y, h : torch.Tensor",
-                     "The normalized ``h`` (dtype of ``x``) and ``h`` itself")  # fmt: skip
+    what, x, y = _MODULE_STEPS[fused]
+    return _docs.step(f"Compute {what} with :func:`{fn}`.", x, f"{y}; differentiable (once).",
+                      f":func:`{fn}`")  # fmt: skip
 
 
 _EXTRA_REPR = r"""The constructor arguments shown by ``repr(module)``, as in {0}.
