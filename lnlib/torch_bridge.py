@@ -198,8 +198,9 @@ def _function(name, results):
         )
         if cls.__doc__:  # None under python -OO
             shown = f"({results})" if "," in results else results
-            text = f"``apply({inputs.replace(', *weight_offset', '[, weight_offset]')})`` "
-            text += f"returns ``{shown}`` of :func:`lnlib.{lnlib_forward}`; its backward is "
+            axes = " over the last ``normalized_ndim`` axes" * ("normalized_ndim" in inputs)
+            text = f"``apply({inputs.replace(', *weight_offset', '[, weight_offset]')})`` returns "
+            text += f"``{shown}`` of :func:`lnlib.{lnlib_forward}`{axes}; its backward is "
             text += f":func:`lnlib.{name}_backward`. {inspect.cleandoc(cls.__doc__)}"
             cls.__doc__ = (
                 f"The autograd function of :func:`{name}`, its forward and backward lnlib's.\n\n"
@@ -211,39 +212,41 @@ def _function(name, results):
     return make
 
 
+def _norm_forward(ctx, name, x, params, ndim, eps, offset):
+    """The forward of the LayerNorm and RMSNorm Functions: lnlib's ``name`` norm of ``x`` over
+    its last ``ndim`` axes with the parameters ``params`` (the weight first)."""
+    forward, backward = getattr(lnlib, name + "_forward"), getattr(lnlib, name + "_backward")
+    arrays = map(_to_array, (x, *params))
+    y, *stats = forward(*arrays, eps=eps, normalized_ndim=ndim, weight_offset=offset)
+
+    def norm_backward(dy, x, weight, *stats):
+        return backward(dy, x, *stats, weight, weight_offset=offset)
+
+    return _finish(ctx, [(y, x.dtype)], stats, (x, params[0]), norm_backward)
+
+
 @_function("layer_norm", "y, mean, rstd")
 class LayerNormFunction(torch.autograd.Function):
-    """The statistics (float32, or float64 for float64 ``x``) are not differentiable. Covered in
-    :ref:`sec-ch05-torch-bridge`; what the forward saves in :ref:`sec-ch05-saves`."""
+    """The statistics (float32, or float64 for float64 ``x``) are not differentiable; it saves
+    ``x``, ``weight``, ``mean`` and ``rstd``. Covered in :ref:`sec-ch05-torch-bridge`; what the
+    forward saves in :ref:`sec-ch05-saves`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_ndim, eps, *weight_offset):
-        offset, arrays = sum(weight_offset), map(_to_array, (x, weight, bias))
-        y, *stats = lnlib.layer_norm_forward(
-            *arrays, eps=eps, normalized_ndim=normalized_ndim, weight_offset=offset
-        )
-
-        def backward(dy, x, weight, mean, rstd):
-            return lnlib.layer_norm_backward(dy, x, mean, rstd, weight, weight_offset=offset)
-
-        return _finish(ctx, [(y, x.dtype)], stats, (x, weight), backward)
+        args = normalized_ndim, eps, sum(weight_offset)
+        return _norm_forward(ctx, "layer_norm", x, (weight, bias), *args)
 
 
 @_function("rms_norm", "y, rstd")
 class RMSNormFunction(torch.autograd.Function):
-    """``rstd`` is not differentiable. Covered in :ref:`sec-ch05-torch-bridge`."""
+    """``rstd`` is not differentiable; it saves ``x``, ``weight`` and ``rstd``. Covered in
+    :ref:`sec-ch05-torch-bridge`."""
 
     @staticmethod
     def forward(ctx, x, weight, normalized_ndim, eps, *weight_offset):
-        offset, arrays = sum(weight_offset), map(_to_array, (x, weight))
-        y, rstd = lnlib.rms_norm_forward(
-            *arrays, eps=eps, normalized_ndim=normalized_ndim, weight_offset=offset
+        return _norm_forward(
+            ctx, "rms_norm", x, (weight,), normalized_ndim, eps, sum(weight_offset)
         )
-
-        def backward(dy, x, weight, rstd):
-            return lnlib.rms_norm_backward(dy, x, rstd, weight, weight_offset=offset)
-
-        return _finish(ctx, [(y, x.dtype)], (rstd,), (x, weight), backward)
 
 
 def _memory_format(x):
@@ -261,8 +264,9 @@ def _memory_format(x):
 @_function("group_norm", "y, mean, rstd")
 class GroupNormFunction(torch.autograd.Function):
     """The statistics, of shape ``(N, G)``, are not differentiable; ``y`` and the gradient of
-    ``x`` keep the memory format of ``x``. Covered in :doc:`/book/04_variants`, section "The
-    family by axes"; the bridge in :ref:`sec-ch05-torch-bridge`."""
+    ``x`` keep the memory format of ``x``; it saves ``x``, ``weight``, ``mean`` and ``rstd``.
+    Covered in :doc:`/book/04_variants`, section "The family by axes"; the bridge in
+    :ref:`sec-ch05-torch-bridge`."""
 
     @staticmethod
     def forward(ctx, x, num_groups, weight, bias, eps):
@@ -279,7 +283,8 @@ class GroupNormFunction(torch.autograd.Function):
 @_function("dynamic_tanh", "y")
 class DynamicTanhFunction(torch.autograd.Function):
     """``alpha`` is a tensor of shape () or (1,) (the DyT authors' layout), or a number (a
-    constant, used in the accumulation dtype, not rounded to the dtype of ``x``). Covered in
+    constant, used in the accumulation dtype, not rounded to the dtype of ``x``); it saves
+    ``x``, ``weight`` and a tensor ``alpha``. Covered in
     :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh"; the bridge in
     :ref:`sec-ch05-torch-bridge`."""
 
@@ -315,8 +320,9 @@ def _add_norm_forward(ctx, name, x, residual, params, ndim, eps, offset, h_dtype
 
 @_function("add_layer_norm", "y, h, mean, rstd")
 class AddLayerNormFunction(torch.autograd.Function):
-    """``y`` and ``h`` are differentiable, the statistics not; ``dsum`` of the backward is the
-    gradient of ``x`` and of ``residual`` alike. Covered in :ref:`sec-ch05-fused-add`."""
+    """``y`` and ``h`` are differentiable, the statistics not; it saves ``weight``, ``h``,
+    ``mean`` and ``rstd``, and ``dsum`` of the backward is the gradient of ``x`` and of
+    ``residual`` alike. Covered in :ref:`sec-ch05-fused-add`."""
 
     @staticmethod
     def forward(
@@ -328,7 +334,8 @@ class AddLayerNormFunction(torch.autograd.Function):
 
 @_function("add_rms_norm", "y, h, rstd")
 class AddRMSNormFunction(torch.autograd.Function):
-    """``y`` and ``h`` are differentiable, ``rstd`` not; as :class:`AddLayerNormFunction`.
+    """``y`` and ``h`` are differentiable, ``rstd`` not; it saves ``weight``, ``h`` and
+    ``rstd``, as :class:`AddLayerNormFunction`.
     Covered in :ref:`sec-ch05-fused-add`."""
 
     @staticmethod
