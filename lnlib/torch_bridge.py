@@ -202,10 +202,11 @@ def _function(name, results):
             text = f"``apply({inputs.replace(', *weight_offset', '[, weight_offset]')})`` returns "
             text += f"``{shown}`` of :func:`lnlib.{lnlib_forward}`{axes}; its backward is "
             text += f":func:`lnlib.{name}_backward`. {inspect.cleandoc(cls.__doc__)}"
-            cls.__doc__ = (
-                f"The autograd function of :func:`{name}`, its forward and backward lnlib's.\n\n"
-                + textwrap.fill(text, 96, break_on_hyphens=False)
-            )
+            # "Covered in" on one line, as the gate of the book's cross-references reads it
+            text = text.replace("Covered in", "Covered\xa0in")
+            text = textwrap.fill(text, 96, break_on_hyphens=False).replace("\xa0", " ")
+            summary = f"The autograd function of :func:`{name}`, its forward and backward lnlib's."
+            cls.__doc__ = f"{summary}\n\n{text}"
         cls.forward, cls.backward = staticmethod(run), staticmethod(_backward)
         return cls
 
