@@ -83,6 +83,20 @@ RMS = {
 }
 
 
+#: What Dynamic Tanh (DyT) means by its parameters.
+DYT = {
+    "normalized_shape": """normalized_shape : int or 1-tuple of int
+    D, the size of the last axis of ``x``.""",
+    "elementwise_affine": """elementwise_affine : bool, default {default}
+    Whether to learn a weight (ones) and a bias (zeros) of shape (D,).""",
+    **{
+        name: f"""{name} : float, default {{default}}
+    Initial value of the learned scalar ``alpha`` (the DyT paper's default)."""
+        for name in ("alpha_init", "alpha_init_value")  # the NumPy layer's, the torch module's
+    },
+}
+
+
 def _shown(value):
     """A default as a docstring shows it: ``1e-5``, ``float32``, ``None``."""
     if isinstance(value, float) and 0 < abs(value) < 1e-3:

@@ -9,7 +9,7 @@ remembers what its last :meth:`forward` saved. A forward/backward pair is one st
 
 import numpy as np
 
-from ._docs import ENTRIES, RMS, parameters, step
+from ._docs import DYT, ENTRIES, RMS, parameters, step
 from ._validate import normalized_shape_value, weight_offset_value
 from .ada_norm import (
     ada_layer_norm_backward,
@@ -362,7 +362,7 @@ class GroupNorm(_Layer):
         return self._keep(*group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight))
 
 
-@_params
+@parameters({**ENTRIES, **DYT})
 class DynamicTanh(_Layer):
     """Dynamic Tanh, ``y = weight * tanh(alpha * x) + bias`` over the last axis (DyT).
 
@@ -370,12 +370,6 @@ class DynamicTanh(_Layer):
 
     Parameters
     ----------
-    normalized_shape : int or 1-tuple of int
-        D, the size of the last axis of ``x``.
-    alpha_init : float, default 0.5
-        Initial value of the scalar ``alpha`` (the DyT paper's default).
-    elementwise_affine : bool, default True
-        Whether to hold a weight (ones) and a bias (zeros) of shape (D,).
     dtype : dtype, default float32
         Dtype of ``alpha`` and the parameters.
 

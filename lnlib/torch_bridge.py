@@ -720,20 +720,11 @@ class GroupNorm(nn.Module):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
 
 
-@_module
+@_docs.parameters({**_MODULE, **_docs.DYT})
 class DynamicTanh(nn.Module):
     r"""Dynamic Tanh layer (DyT), a drop-in for a LayerNorm over the last axis.
 
     Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
-
-    Parameters
-    ----------
-    normalized_shape : int
-        D, the size of the last axis.
-    alpha_init_value : float, default 0.5
-        Initial value of the learned scalar ``alpha``.
-    elementwise_affine : bool, default True
-        Learn ``weight`` (ones) and ``bias`` (zeros) of shape (D,).
 
     Notes
     -----
