@@ -1,12 +1,13 @@
-r"""Docstrings written once: a method's that several classes share (as pandas' ``@doc`` does), and
-the meaning of each parameter name that the NumPy layers (:mod:`lnlib.layers`) and the torch
-modules and functions (:mod:`lnlib.torch_bridge`) share, from which :func:`parameters` writes
-their Parameters sections."""
+r"""Docstrings written once, for the NumPy layers (:mod:`lnlib.layers`) and the torch modules and
+functions (:mod:`lnlib.torch_bridge`): a method's that several classes share (:func:`doc`, as
+pandas' ``@doc`` does), the one form of a step's (a ``forward``, a ``backward``: :func:`step`),
+and the meaning of each parameter name (:data:`ENTRIES`), from which :func:`parameters` writes
+the Parameters section of a signature."""
 
 import inspect
 import re
 
-SECTIONS = ("Returns", "Yields", "Raises", "Attributes", "Notes", "References", "Examples")
+_SECTIONS = ("Returns", "Yields", "Raises", "Attributes", "Notes", "References", "Examples")
 
 
 def doc(template, *fields):
@@ -134,7 +135,7 @@ def parameters(table, **more):
         lines = inspect.cleandoc(obj.__doc__).splitlines()
         heads = [i for i, line in enumerate(lines[:-1]) if set(lines[i + 1]) == {"-"}]
         start = next((i for i in heads if lines[i] == "Parameters"), None)
-        after = [i for i in heads if lines[i] in SECTIONS and (start is None or i > start)]
+        after = [i for i in heads if lines[i] in _SECTIONS and (start is None or i > start)]
         end = after[0] if after else len(lines)
         own = _own_entries(lines[start + 2 : end]) if start is not None else {}
         entries, covered = [], set()
