@@ -9,7 +9,7 @@ remembers what its last :meth:`forward` saved. A forward/backward pair is one st
 
 import numpy as np
 
-from ._docs import doc, entries
+from ._docs import DYT, ENTRIES, RMS, parameters, step
 from ._validate import normalized_shape_value, weight_offset_value
 from .ada_norm import (
     ada_layer_norm_backward,
@@ -33,58 +33,29 @@ from .rms_norm import rms_norm_backward, rms_norm_forward
 __all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh"]
 __all__ += ["AddLayerNorm", "AddRMSNorm"]
 
-_FORWARD = r"""Compute the layer with :func:`lnlib.{0}`; save what backward needs.
-
-    Parameters
-    ----------
-    {3} : ndarray
-        Shape ``{1}``, floating{4}.
-
-    Returns
-    -------
-    {5}
-        {2}
-
-    Raises
-    ------
-    TypeError, ValueError
-        As for :func:`lnlib.{0}`.
-    """
-
-_BACKWARD = r"""Backward of the last :meth:`forward` (:func:`lnlib.{0}`); also stores {1}.
-
-    Parameters
-    ----------
-    dy : ndarray, shape of the last forward's ``x``
-        Gradient of the loss with respect to the last forward's output{2}.
-
-    Returns
-    -------
-    {3}
-        Gradient of the loss with respect to the last forward's input{4}.
-
-    Raises
-    ------
-    RuntimeError
-        No forward has been run.
-    TypeError, ValueError
-        As for :func:`lnlib.{0}`.
-    """
+_X = "x : ndarray\n    Shape ``{}``, floating."
+_NO_FORWARD = "RuntimeError\n    No forward has been run.\n"
 
 
-def _forward_doc(fn, shape, result, inputs="x", note="", outputs=None):
-    """The docstring of a layer's ``forward`` (:data:`_FORWARD`); by default one ``x``, one
-    ``y``."""
-    return doc(_FORWARD, fn, shape, result, inputs, note, outputs or _Y)
+def _forward_doc(fn, shape, result, inputs=_X, outputs="y : ndarray, shape and dtype of ``x``"):
+    """The docstring of a layer's ``forward`` through the lnlib function ``fn``: by default from
+    ``x`` of ``shape`` to ``y``, which is ``result``."""
+    return step(f"Compute the layer with :func:`lnlib.{fn}`; save what backward needs.",
+                inputs.format(shape),
+                f"{outputs}\n    {result}", f":func:`lnlib.{fn}`")  # fmt: skip
 
 
-def _backward_doc(fn, stored, more="", outputs="dx : ndarray, shape and dtype of ``x``", to=""):
-    """The docstring of a layer's ``backward`` (:data:`_BACKWARD`); by default ``dy`` to
-    ``dx``."""
-    return doc(_BACKWARD, fn, stored, more, outputs, to)
+def _backward_doc(fn, stored, dh="", outputs="dx : ndarray, shape and dtype of ``x``", to=""):
+    """The docstring of a layer's ``backward`` through the lnlib function ``fn``: by
+    default from ``dy`` to ``dx``, with ``dh`` (the entry of a second gradient) after ``dy``."""
+    summary = f"Backward of the last :meth:`forward` (:func:`lnlib.{fn}`); also stores {stored}."
+    dy = "dy : ndarray, shape of the last forward's ``x``\n    Gradient of the loss with respect "
+    dy += "to the last forward's output" + (" ``y``." if dh else ".") + dh
+    dx = f"{outputs}\n    Gradient of the loss with respect to the last forward's input{to}."
+    return step(summary, dy, dx, f":func:`lnlib.{fn}`", _NO_FORWARD)
 
 
-_Y = "y : ndarray, shape and dtype of ``x``"
+_params, _rms_params = parameters(ENTRIES), parameters({**ENTRIES, **RMS})
 
 
 class _Layer:
@@ -138,20 +109,11 @@ class _Norm(_Layer):
         return {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
 
 
-@entries
+@_params
 class LayerNorm(_Norm):
     r"""LayerNorm over the trailing ``normalized_shape`` axes, with weight and bias.
 
     Covered in :ref:`sec-ch02-one-vector` and :ref:`sec-ch02-backward`.
-
-    Parameters
-    ----------
-    {normalized_shape}
-    {eps}
-    elementwise_affine, bias : bool, default True
-        Whether to hold a weight :math:`\gamma` and, with it, a bias :math:`\beta` (zeros).
-    {dtype}
-    {scale_offset}
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -172,22 +134,11 @@ class LayerNorm(_Norm):
         )
 
 
-@entries
+@_rms_params
 class RMSNorm(_Norm):
     """RMSNorm over the trailing ``normalized_shape`` axes, with a weight (gain).
 
     Covered in :doc:`/book/04_variants`, section "RMSNorm".
-
-    Parameters
-    ----------
-    {normalized_shape}
-    eps : float, default 1e-6
-        Added to the mean square inside the square root.
-    elementwise_affine : bool, default True
-        Whether to hold a weight (the gain).
-    dtype : dtype, default float32
-        Dtype of the weight.
-    {gain_offset}
     """
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32,
@@ -206,7 +157,7 @@ class RMSNorm(_Norm):
         return self._keep(*rms_norm_backward(dy, *self._take(), self.weight, weight_offset=offset))
 
 
-@entries
+@_params
 class AdaLN(_Layer):
     """Adaptive LayerNorm with its conditioning layer (adaLN-Zero by default), as in DiT.
 
@@ -224,14 +175,11 @@ class AdaLN(_Layer):
         D, the size of the last axis of ``x``.
     cond_dim : int
         C, the size of the conditioning vector.
-    eps : float, default 1e-6
-        Added to the variance inside the square root.
     zero_init : bool, default True
         adaLN-Zero (weight and bias zero). Otherwise the weight is drawn from
         N(0, 1/cond_dim) with ``rng``.
     rng : numpy.random.Generator, optional
         Random generator for the weight when ``zero_init`` is False.
-    {dtype}
 
     Attributes
     ----------
@@ -315,7 +263,7 @@ class AdaLN(_Layer):
         return dx, dc
 
 
-@entries
+@_params
 class BatchNorm(_Layer):
     """BatchNorm over (N, C, ...) with running statistics, for comparison with LayerNorm.
 
@@ -325,10 +273,8 @@ class BatchNorm(_Layer):
     ----------
     num_features : int
         Number of channels C.
-    {eps}
     momentum : float, default 0.1
         Weight of the batch statistics in the running averages.
-    {affine}
     dtype : dtype, default float32
         Dtype of the parameters and running statistics.
 
@@ -388,21 +334,11 @@ class BatchNorm(_Layer):
         return self._keep(*batch_norm_backward(dy, x, mean, rstd, self.weight, training=training))
 
 
-@entries
+@_params
 class GroupNorm(_Layer):
     """GroupNorm over (N, C, ...) with a per-channel weight and bias, like ``torch.nn.GroupNorm``.
 
     Covered in :doc:`/book/04_variants`, section "The family by axes".
-
-    Parameters
-    ----------
-    num_groups : int
-        G, a divisor of ``num_channels``.
-    num_channels : int
-        C.
-    {eps}
-    {affine}
-    {dtype}
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
@@ -426,6 +362,7 @@ class GroupNorm(_Layer):
         return self._keep(*group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight))
 
 
+@parameters({**ENTRIES, **DYT})
 class DynamicTanh(_Layer):
     """Dynamic Tanh, ``y = weight * tanh(alpha * x) + bias`` over the last axis (DyT).
 
@@ -433,12 +370,6 @@ class DynamicTanh(_Layer):
 
     Parameters
     ----------
-    normalized_shape : int or 1-tuple of int
-        D, the size of the last axis of ``x``.
-    alpha_init : float, default 0.5
-        Initial value of the scalar ``alpha`` (the DyT paper's default).
-    elementwise_affine : bool, default True
-        Whether to hold a weight (ones) and a bias (zeros) of shape (D,).
     dtype : dtype, default float32
         Dtype of ``alpha`` and the parameters.
 
@@ -475,30 +406,23 @@ class DynamicTanh(_Layer):
 _ADD_FORWARD = (
     "(*lead, *normalized_shape)",
     "The normalized ``h`` (dtype of ``x``) and ``h = residual + x`` (``residual_dtype``).",
-    "x, residual",
-    "; the two dtypes may differ",
+    "x, residual : ndarray\n    Shape ``{}``, floating; the two dtypes may differ.",
     "y, h : ndarray, shape of ``x``",
 )
 _ADD_BACKWARD = (
-    " ``y``.\n    dh : ndarray, shape of ``x``, optional\n        Gradient with respect to"
-    " ``h``, arriving along the residual stream (None: zero)",
+    "\ndh : ndarray, shape of ``x``, optional\n    Gradient with respect to ``h``, arriving "
+    "along the residual stream (None: zero).",
     "dsum : ndarray, shape and dtype of ``h``",
     "s ``x`` and ``residual`` alike",
 )
 
 
+@_params
 class AddLayerNorm(LayerNorm):
     r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives
     ``(y, h)`` with ``h = residual + x`` and ``y`` the LayerNorm of ``h``.
 
     Covered in :ref:`sec-ch05-fused-add`.
-
-    Parameters
-    ----------
-    normalized_shape, eps, elementwise_affine, bias, dtype, weight_offset
-        As for :class:`LayerNorm`.
-    residual_dtype : dtype, optional
-        Keyword only. The dtype ``h`` is stored in (None: that of ``residual``).
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -522,14 +446,10 @@ class AddLayerNorm(LayerNorm):
         return self._keep(*add_layer_norm_backward(dy, dh, *saved, self.weight, **kw))
 
 
+@_rms_params
 class AddRMSNorm(RMSNorm):
     r"""The residual add fused with :class:`RMSNorm`, as :class:`AddLayerNorm` fuses it with
     :class:`LayerNorm`: ``y`` is the RMSNorm of ``h``. Covered in :ref:`sec-ch05-fused-add`.
-
-    Parameters
-    ----------
-    normalized_shape, eps, elementwise_affine, dtype, weight_offset, residual_dtype
-        As for :class:`RMSNorm` and :class:`AddLayerNorm`.
     """
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True,

@@ -1,16 +1,14 @@
 r"""PyTorch bridge: lnlib's norms (and the fused residual add) inside a torch model.
 
-Every ``torch.autograd.Function`` here is one pattern (the class decorator ``_function``): its
-forward runs an lnlib forward (:func:`lnlib.layer_norm_forward`, ...) and names the lnlib
-backward that gives the gradients of its tensor inputs; one shared backward runs it and returns
-the gradients torch asks for. The fused
-residual add (:func:`add_layer_norm`, :func:`add_rms_norm`) has two differentiable outputs,
-``y`` and ``h``; the gradients of both go to its lnlib backward. Tensors cross without copies:
-a CPU tensor is viewed as a NumPy array (``Tensor.numpy()``, ``torch.from_numpy`` share
-memory), a CUDA tensor as a CuPy array through DLPack (:mod:`lnlib._cuda.dlpack`), and
-lnlib's CUDA kernels run on torch's current stream, so they queue behind torch's own work with
-no synchronisation. NumPy has no bfloat16: such tensors are computed in float32 and cast back.
-The backward is not differentiable again (``lnlib.torch_bridge.first_order_only``).
+Every ``torch.autograd.Function`` here is made by one class decorator, :func:`_function`: its
+forward runs an lnlib forward and names the lnlib backward that gives the gradients of its
+tensor inputs (for the fused residual add, from those of both ``y`` and ``h``); one shared
+backward runs it. Tensors cross without copies: a CPU tensor is viewed as a NumPy array
+(``Tensor.numpy()``, ``torch.from_numpy`` share memory), a CUDA tensor as a CuPy array through
+DLPack (:mod:`lnlib._cuda.dlpack`), and lnlib's CUDA kernels run on torch's current stream, so
+they queue behind torch's own work with no synchronisation. NumPy has no bfloat16: such tensors
+are computed in float32 and cast back. The backward is not differentiable again
+(:func:`first_order_only`).
 
 :class:`LayerNorm`, :class:`RMSNorm` and :class:`GroupNorm` are drop-in replacements for their
 ``torch.nn`` namesakes (same constructor arguments, parameter names and initialisation, so a
@@ -29,14 +27,14 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import textwrap
 
 import numpy as np
 import torch
 from torch import nn
 
 import lnlib
-from lnlib import _validate
-from lnlib._docs import doc, entries
+from lnlib import _docs, _validate
 
 __all__ = ["layer_norm", "rms_norm", "group_norm", "dynamic_tanh"]
 __all__ += ["LayerNormFunction", "RMSNormFunction", "GroupNormFunction", "DynamicTanhFunction"]
@@ -45,6 +43,7 @@ __all__ += ["add_layer_norm", "add_rms_norm", "AddLayerNormFunction", "AddRMSNor
 __all__ += ["AddLayerNorm", "AddRMSNorm"]
 
 _NATIVE = (torch.float16, torch.float32, torch.float64)
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
 def _cuda_dlpack(t):
@@ -83,9 +82,8 @@ def _to_tensor(a, dtype=None, layout=None):
 
 
 def _stream_of(t):
-    """Where lnlib works on the tensor ``t``: for a CUDA tensor, CuPy on torch's current stream,
-    so lnlib's kernels queue behind the work torch has queued (and torch's next kernels behind
-    them)."""
+    """Where lnlib works on ``t``: for a CUDA tensor, CuPy on torch's current stream, so that
+    lnlib's kernels queue behind torch's work (and torch's next kernels behind them)."""
     return _cuda_dlpack(t).torch_stream(t) if t.is_cuda else contextlib.nullcontext()
 
 
@@ -167,28 +165,18 @@ def _backward(ctx, dy, *grads):
     return tuple(grads)
 
 
-_FORWARD = r"""Run :func:`lnlib.{0}` on the tensors' memory; save what the backward needs.
-
-        Parameters
-        ----------
-        ctx : torch.autograd.function.FunctionCtx
-            Torch's context object, where the forward saves what the backward needs.
-        {1}
-            The arguments of ``apply``, as the class describes them.
-
-        Returns
-        -------
-        {2} : torch.Tensor
-            The results of ``apply``, as the class describes them.
-        """
+_CTX = """ctx : torch.autograd.function.FunctionCtx
+    Torch's context object, where the forward saves what the backward needs."""
 
 
-def _function(lnlib_forward, results):
+def _function(name, results):
     """Class decorator, the one pattern of every Function here: its ``forward(ctx, x, ...)``
     runs where lnlib works on ``x`` and returns through :func:`_finish`; the tensors among the
     inputs of ``apply`` are those torch may ask gradients of (each in its dtype), and the one
-    :func:`_backward` gives them. ``lnlib_forward`` and ``results`` name, in the docstring of
-    ``forward``, the lnlib function it runs and what it returns."""
+    :func:`_backward` gives them. ``name`` is the function of this module that applies it and
+    of lnlib (``name_forward`` where lnlib has one) that it runs, ``results`` what it returns;
+    the class docstring says the rest (and where the book covers it)."""
+    lnlib_forward = f"{name}_forward" if hasattr(lnlib, f"{name}_forward") else name
 
     def make(cls):
         forward = cls.forward
@@ -200,58 +188,66 @@ def _function(lnlib_forward, results):
                 return forward(ctx, x, *args)
 
         inputs = ", ".join(map(str, list(inspect.signature(forward).parameters.values())[1:]))
-        run.__doc__ = _FORWARD.format(lnlib_forward, inputs, results)
+        fn = f":func:`lnlib.{lnlib_forward}`"
+        args = f"{_CTX}\n{inputs}\n    The arguments of ``apply``, as the class describes them."
+        out = (
+            f"{results} : torch.Tensor\n    The results of ``apply``, as the class describes them."
+        )
+        run.__doc__ = _docs.STEP.format(
+            f"Run {fn} on the tensors' memory; save what the backward needs.", args, out, "", fn
+        )
+        if cls.__doc__:  # None under python -OO
+            shown = f"({results})" if "," in results else results
+            axes = " over the last ``normalized_ndim`` axes" * ("normalized_ndim" in inputs)
+            text = f"``apply({inputs.replace(', *weight_offset', '[, weight_offset]')})`` returns "
+            text += f"``{shown}`` of :func:`lnlib.{lnlib_forward}`{axes}; its backward is "
+            text += f":func:`lnlib.{name}_backward`. {inspect.cleandoc(cls.__doc__)}"
+            # "Covered in" on one line, as the gate of the book's cross-references reads it
+            text = text.replace("Covered in", "Covered\xa0in")
+            text = textwrap.fill(text, 96, break_on_hyphens=False).replace("\xa0", " ")
+            summary = f"The autograd function of :func:`{name}`, its forward and backward lnlib's."
+            cls.__doc__ = f"{summary}\n\n{text}"
         cls.forward, cls.backward = staticmethod(run), staticmethod(_backward)
         return cls
 
     return make
 
 
-@_function("layer_norm_forward", "y, mean, rstd")
-class LayerNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`layer_norm`, its forward and backward lnlib's.
+def _norm_forward(ctx, name, x, params, ndim, eps, offset):
+    """The forward of the LayerNorm and RMSNorm Functions: lnlib's ``name`` norm of ``x`` over
+    its last ``ndim`` axes with the parameters ``params`` (the weight first)."""
+    forward, backward = getattr(lnlib, name + "_forward"), getattr(lnlib, name + "_backward")
+    arrays = map(_to_array, (x, *params))
+    y, *stats = forward(*arrays, eps=eps, normalized_ndim=ndim, weight_offset=offset)
 
-    ``apply(x, weight, bias, normalized_ndim, eps[, weight_offset])`` returns ``(y, mean, rstd)``
-    of :func:`lnlib.layer_norm_forward` over the last ``normalized_ndim`` axes (the statistics,
-    float32 or float64 for float64 ``x``, not differentiable) and saves ``x``, ``weight``,
-    ``mean`` and ``rstd`` for :func:`lnlib.layer_norm_backward`. Covered in
-    :ref:`sec-ch05-torch-bridge`; what the forward saves in :ref:`sec-ch05-saves`.
-    """
+    def norm_backward(dy, x, weight, *stats):
+        return backward(dy, x, *stats, weight, weight_offset=offset)
+
+    return _finish(ctx, [(y, x.dtype)], stats, (x, params[0]), norm_backward)
+
+
+@_function("layer_norm", "y, mean, rstd")
+class LayerNormFunction(torch.autograd.Function):
+    """The statistics (float32, or float64 for float64 ``x``) are not differentiable; it saves
+    ``x``, ``weight``, ``mean`` and ``rstd``. Covered in :ref:`sec-ch05-torch-bridge`; what the
+    forward saves in :ref:`sec-ch05-saves`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_ndim, eps, *weight_offset):
-        offset, arrays = sum(weight_offset), map(_to_array, (x, weight, bias))
-        y, *stats = lnlib.layer_norm_forward(
-            *arrays, eps=eps, normalized_ndim=normalized_ndim, weight_offset=offset
-        )
-
-        def backward(dy, x, weight, mean, rstd):
-            return lnlib.layer_norm_backward(dy, x, mean, rstd, weight, weight_offset=offset)
-
-        return _finish(ctx, [(y, x.dtype)], stats, (x, weight), backward)
+        args = normalized_ndim, eps, sum(weight_offset)
+        return _norm_forward(ctx, "layer_norm", x, (weight, bias), *args)
 
 
-@_function("rms_norm_forward", "y, rstd")
+@_function("rms_norm", "y, rstd")
 class RMSNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`rms_norm`, its forward and backward lnlib's.
-
-    ``apply(x, weight, normalized_ndim, eps[, weight_offset])`` returns ``(y, rstd)`` of
-    :func:`lnlib.rms_norm_forward` over the last ``normalized_ndim`` axes (``rstd`` not
-    differentiable) and saves ``x``, ``weight`` and ``rstd`` for
-    :func:`lnlib.rms_norm_backward`. Covered in :ref:`sec-ch05-torch-bridge`.
-    """
+    """``rstd`` is not differentiable; it saves ``x``, ``weight`` and ``rstd``. Covered in
+    :ref:`sec-ch05-torch-bridge`."""
 
     @staticmethod
     def forward(ctx, x, weight, normalized_ndim, eps, *weight_offset):
-        offset, arrays = sum(weight_offset), map(_to_array, (x, weight))
-        y, rstd = lnlib.rms_norm_forward(
-            *arrays, eps=eps, normalized_ndim=normalized_ndim, weight_offset=offset
+        return _norm_forward(
+            ctx, "rms_norm", x, (weight,), normalized_ndim, eps, sum(weight_offset)
         )
-
-        def backward(dy, x, weight, rstd):
-            return lnlib.rms_norm_backward(dy, x, rstd, weight, weight_offset=offset)
-
-        return _finish(ctx, [(y, x.dtype)], (rstd,), (x, weight), backward)
 
 
 def _memory_format(x):
@@ -266,17 +262,12 @@ def _memory_format(x):
     return torch.contiguous_format
 
 
-@_function("group_norm_forward", "y, mean, rstd")
+@_function("group_norm", "y, mean, rstd")
 class GroupNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`group_norm`, its forward and backward lnlib's.
-
-    ``apply(x, num_groups, weight, bias, eps)`` returns ``(y, mean, rstd)`` of
-    :func:`lnlib.group_norm_forward` (statistics of shape ``(N, G)``, not differentiable; ``y``
-    and the gradient of ``x`` in the memory format of ``x``) and saves ``x``, ``weight``,
-    ``mean`` and ``rstd`` for :func:`lnlib.group_norm_backward`. Covered in
-    :doc:`/book/04_variants`, section "The family by axes"; the bridge in
-    :ref:`sec-ch05-torch-bridge`.
-    """
+    """The statistics, of shape ``(N, G)``, are not differentiable; ``y`` and the gradient of
+    ``x`` keep the memory format of ``x``; it saves ``x``, ``weight``, ``mean`` and ``rstd``.
+    Covered in :doc:`/book/04_variants`, section "The family by axes"; the bridge in
+    :ref:`sec-ch05-torch-bridge`."""
 
     @staticmethod
     def forward(ctx, x, num_groups, weight, bias, eps):
@@ -292,15 +283,11 @@ class GroupNormFunction(torch.autograd.Function):
 
 @_function("dynamic_tanh", "y")
 class DynamicTanhFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`dynamic_tanh`, its forward and backward lnlib's.
-
-    ``apply(x, alpha, weight, bias)`` returns ``y`` of :func:`lnlib.dynamic_tanh` and saves
-    ``x``, ``weight`` and a tensor ``alpha`` for :func:`lnlib.dynamic_tanh_backward`; ``alpha``
-    is a tensor of shape () or (1,) (the DyT authors' layout), or a number (a constant, used in
-    the accumulation dtype, not rounded to the dtype of ``x``). Covered in
+    """``alpha`` is a tensor of shape () or (1,) (the DyT authors' layout), or a number (a
+    constant, used in the accumulation dtype, not rounded to the dtype of ``x``); it saves
+    ``x``, ``weight`` and a tensor ``alpha``. Covered in
     :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh"; the bridge in
-    :ref:`sec-ch05-torch-bridge`.
-    """
+    :ref:`sec-ch05-torch-bridge`."""
 
     @staticmethod
     def forward(ctx, x, alpha, weight, bias):
@@ -313,6 +300,49 @@ class DynamicTanhFunction(torch.autograd.Function):
 
         saved = (x, weight) if constant is not None else (x, weight, alpha)
         return _finish(ctx, [(y, x.dtype)], (), saved, backward)
+
+
+def _add_norm_forward(ctx, name, x, residual, params, ndim, eps, offset, h_dtype):
+    """The fused Functions' forward: ``h = residual + x`` stored in ``h_dtype`` (a torch dtype,
+    None: that of ``residual``; bfloat16 is computed in float32), then lnlib's ``name`` norm of
+    ``h``; the backward gives ``x`` and ``residual`` one gradient, ``dsum``."""
+    h_dtype = residual.dtype if h_dtype is None else h_dtype
+    arrays = map(_to_array, (x, residual, *params))
+    kw = {"normalized_ndim": ndim, "weight_offset": offset}
+    forward, backward = getattr(lnlib, name + "_forward"), getattr(lnlib, name + "_backward")
+    y, h, *stats = forward(*arrays, eps=eps, residual_dtype=_NUMPY.get(h_dtype, np.float32), **kw)
+
+    def fused_backward(dy, dh, weight, h, *stats):
+        dsum, *dparams = backward(dy, dh, h, *stats, weight, **kw)
+        return dsum, dsum, *dparams
+
+    return _finish(ctx, [(y, x.dtype), (h, h_dtype)], stats, (params[0],), fused_backward)
+
+
+@_function("add_layer_norm", "y, h, mean, rstd")
+class AddLayerNormFunction(torch.autograd.Function):
+    """``y`` and ``h`` are differentiable, the statistics not; it saves ``weight``, ``h``,
+    ``mean`` and ``rstd``, and ``dsum`` of the backward is the gradient of ``x`` and of
+    ``residual`` alike. Covered in :ref:`sec-ch05-fused-add`."""
+
+    @staticmethod
+    def forward(
+        ctx, x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype
+    ):
+        args = normalized_ndim, eps, weight_offset, residual_dtype
+        return _add_norm_forward(ctx, "add_layer_norm", x, residual, (weight, bias), *args)
+
+
+@_function("add_rms_norm", "y, h, rstd")
+class AddRMSNormFunction(torch.autograd.Function):
+    """``y`` and ``h`` are differentiable, ``rstd`` not; it saves ``weight``, ``h`` and
+    ``rstd``, as :class:`AddLayerNormFunction`.
+    Covered in :ref:`sec-ch05-fused-add`."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype):
+        args = normalized_ndim, eps, weight_offset, residual_dtype
+        return _add_norm_forward(ctx, "add_rms_norm", x, residual, (weight,), *args)
 
 
 def _check_tensor(name, t):
@@ -341,22 +371,37 @@ def _trailing_shape(x, normalized_shape, *fused):
     return shape
 
 
-@entries
+#: What the parameters of the functions and modules below mean, by name (:func:`_docs.parameters`).
+_RESIDUAL_DTYPE = """residual_dtype : torch.dtype or None, default None
+    Keyword only. The dtype ``h = residual + x`` is stored in (None: that of ``residual``;
+    float32 for a float16 ``x`` keeps the stream in float32)."""
+_RMS_EPS = """eps : float or None, default None
+    Added to the mean square inside the square root; None means ``torch.finfo(x.dtype).eps``
+    (of the dtype of ``h`` for the fused add), as in PyTorch."""
+_ARGS = {
+    **_docs.ENTRIES,
+    "x": """x : torch.Tensor, shape ``(..., *normalized_shape)``, float16/bfloat16/float32/float64
+    Input, on the CPU or a CUDA device.""",
+    "residual": """residual : torch.Tensor, shape of ``x``, floating
+    The residual stream (``x`` is the sublayer's output), on the device of ``x``; the dtypes
+    of the two may differ.""",
+    "weight": """weight : torch.Tensor of shape ``normalized_shape`` or None, default None
+    The scale (gain) :math:`\\gamma`, on the device of ``x``.""",
+    "bias": """bias : torch.Tensor of shape ``normalized_shape`` or None, default None
+    The bias :math:`\\beta`, on the device of ``x``.""",
+    "weight_offset": """weight_offset : float, default {default}
+    Keyword only: the scale is ``weight_offset + weight`` (1.0: the zero-centred gain, as in
+    Gemma's RMSNorm).""",
+    "residual_dtype": _RESIDUAL_DTYPE,
+}
+_args = _docs.parameters(_ARGS)
+
+
+@_args
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0):
     r"""LayerNorm of a tensor through lnlib, like ``torch.nn.functional.layer_norm``.
 
     Covered in :ref:`sec-ch05-torch-bridge`.
-
-    Parameters
-    ----------
-    x : torch.Tensor, shape ``(..., *normalized_shape)``, float16/bfloat16/float32/float64
-        Input, on the CPU or a CUDA device.
-    {normalized_shape}
-    weight, bias : torch.Tensor of shape ``normalized_shape`` or None
-        Gain :math:`\gamma` and bias :math:`\beta`, on the device of ``x``.
-    {eps}
-    weight_offset : float, default 0.0
-        Keyword only: the scale is ``weight_offset + weight`` (zero-centred gain with 1.0).
 
     Returns
     -------
@@ -374,22 +419,11 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
     return y
 
 
+@_docs.parameters(_ARGS, eps=_RMS_EPS)
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     r"""RMSNorm of a tensor through lnlib, like ``torch.nn.functional.rms_norm``.
 
     Covered in :ref:`sec-ch05-torch-bridge`.
-
-    Parameters
-    ----------
-    x, normalized_shape
-        As for :func:`layer_norm`.
-    weight : torch.Tensor of shape ``normalized_shape`` or None
-        Gain :math:`\gamma`, on the device of ``x``.
-    eps : float or None, default None
-        Added to the mean square inside the square root; ``None`` means
-        ``torch.finfo(x.dtype).eps``, as in PyTorch.
-    weight_offset : float, default 0.0
-        Keyword only: the gain is ``weight_offset + weight`` (Gemma's RMSNorm with 1.0).
 
     Returns
     -------
@@ -407,7 +441,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     return y
 
 
-@entries
+@_args
 def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     r"""GroupNorm of a tensor through lnlib, like ``torch.nn.functional.group_norm``.
 
@@ -422,7 +456,6 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
         G, a divisor of C.
     weight, bias : torch.Tensor of shape (C,) or None
         Per-channel gain and bias, on the device of ``x``.
-    {eps}
 
     Returns
     -------
@@ -441,6 +474,7 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     return y
 
 
+@_args
 def dynamic_tanh(x, alpha, weight=None, bias=None):
     r"""Dynamic Tanh of a tensor through lnlib: ``weight * tanh(alpha * x) + bias``.
 
@@ -472,61 +506,7 @@ def dynamic_tanh(x, alpha, weight=None, bias=None):
     return DynamicTanhFunction.apply(x, alpha, weight, bias)
 
 
-_NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
-
-
-def _add_norm_forward(ctx, forward, backward, x, residual, params, ndim, eps, offset, h_dtype):
-    """The fused Functions' forward: ``h = residual + x`` stored in ``h_dtype`` (a torch dtype,
-    None: that of ``residual``; bfloat16 is computed in float32), then the norm of ``h``."""
-    h_dtype = residual.dtype if h_dtype is None else h_dtype
-    arrays = map(_to_array, (x, residual, *params))
-    kw = {"normalized_ndim": ndim, "weight_offset": offset}
-    y, h, *stats = forward(*arrays, eps=eps, residual_dtype=_NUMPY.get(h_dtype, np.float32), **kw)
-
-    def fused_backward(dy, dh, weight, h, *stats):
-        dsum, *dparams = backward(dy, dh, h, *stats, weight, **kw)
-        return dsum, dsum, *dparams
-
-    return _finish(ctx, [(y, x.dtype), (h, h_dtype)], stats, (params[0],), fused_backward)
-
-
-@_function("add_layer_norm_forward", "y, h, mean, rstd")
-class AddLayerNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`add_layer_norm`, its forward and backward lnlib's.
-
-    ``apply(x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype)``
-    returns ``(y, h, mean, rstd)`` of :func:`lnlib.add_layer_norm_forward` (``y`` and ``h``
-    differentiable, the statistics not) and saves ``weight``, ``h``, ``mean`` and ``rstd`` for
-    :func:`lnlib.add_layer_norm_backward`, whose ``dsum`` is the gradient of ``x`` and of
-    ``residual`` alike. Covered in :ref:`sec-ch05-fused-add`.
-    """
-
-    @staticmethod
-    def forward(
-        ctx, x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype
-    ):
-        fns = lnlib.add_layer_norm_forward, lnlib.add_layer_norm_backward
-        args = normalized_ndim, eps, weight_offset, residual_dtype
-        return _add_norm_forward(ctx, *fns, x, residual, (weight, bias), *args)
-
-
-@_function("add_rms_norm_forward", "y, h, rstd")
-class AddRMSNormFunction(torch.autograd.Function):
-    r"""The autograd function of :func:`add_rms_norm`, its forward and backward lnlib's.
-
-    ``apply(x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype)`` returns
-    ``(y, h, rstd)`` of :func:`lnlib.add_rms_norm_forward` (``y`` and ``h`` differentiable,
-    ``rstd`` not) and saves ``weight``, ``h`` and ``rstd`` for
-    :func:`lnlib.add_rms_norm_backward`. Covered in :ref:`sec-ch05-fused-add`.
-    """
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype):
-        fns = lnlib.add_rms_norm_forward, lnlib.add_rms_norm_backward
-        args = normalized_ndim, eps, weight_offset, residual_dtype
-        return _add_norm_forward(ctx, *fns, x, residual, (weight,), *args)
-
-
+@_args
 def add_layer_norm(
     x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0,
     residual_dtype=None,
@@ -534,16 +514,6 @@ def add_layer_norm(
     r"""The residual add and LayerNorm through lnlib: ``h = residual + x; y = layer_norm(h)``.
 
     Covered in :ref:`sec-ch05-fused-add`.
-
-    Parameters
-    ----------
-    x, residual : torch.Tensor, one shape ``(..., *normalized_shape)``, floating
-        The sublayer's output and the residual stream, on one device; their dtypes may differ.
-    normalized_shape, weight, bias, eps, weight_offset
-        As for :func:`layer_norm`.
-    residual_dtype : torch.dtype or None, default None
-        Keyword only: the dtype ``h`` is stored in (None: that of ``residual``; float32 for a
-        float16 ``x`` keeps the stream in float32).
 
     Returns
     -------
@@ -566,21 +536,13 @@ def add_layer_norm(
     return y, h
 
 
+@_docs.parameters(_ARGS, eps=_RMS_EPS)
 def add_rms_norm(
     x, residual, normalized_shape, weight=None, eps=None, *, weight_offset=0.0,
     residual_dtype=None,
 ):  # fmt: skip
     r"""The residual add and RMSNorm through lnlib, ``h = residual + x; y = rms_norm(h)``, as
     :func:`add_layer_norm` does it for LayerNorm. Covered in :ref:`sec-ch05-fused-add`.
-
-    Parameters
-    ----------
-    x, residual, normalized_shape
-        As for :func:`add_layer_norm`.
-    weight, eps, weight_offset
-        As for :func:`rms_norm` (``eps`` None: ``torch.finfo`` of the dtype of ``h``).
-    residual_dtype : torch.dtype or None, default None
-        As for :func:`add_layer_norm`.
 
     Returns
     -------
@@ -613,37 +575,21 @@ def _affine(learned):
     return {"weight": 1.0 if learned else None, "bias": 0.0 if learned else None}
 
 
-_MODULE_FORWARD = r"""Compute {1} with :func:`{0}`.
-
-        Parameters
-        ----------
-        {2}
-            {3}
-
-        Returns
-        -------
-        {4}
-            {5}; differentiable (once).
-
-        Raises
-        ------
-        TypeError, ValueError
-            As for :func:`{0}`.
-        """
+_MODULE_STEPS = {  # a module's forward: what it computes, from what, to what
+    False: ("the layer", "x : torch.Tensor\n    Input, floating, on the device of the "
+            "parameters (CPU or CUDA).", "torch.Tensor\n    Shape and dtype of ``x``"),
+    True: ("``h = residual + x`` and the layer on ``h``", "x, residual : torch.Tensor\n    The "
+           "sublayer's output and the residual stream, one shape, on the parameters' device.",
+           "y, h : torch.Tensor\n    The normalized ``h`` (dtype of ``x``) and ``h`` itself"),
+}  # fmt: skip
 
 
 def _module_forward(fn, fused=False):
     """The docstring of a module's ``forward`` through ``fn``: from ``x`` to ``y``, or
     (``fused``) from ``x`` and ``residual`` to ``y`` and ``h``."""
-    if not fused:
-        return doc(_MODULE_FORWARD, fn, "the layer on ``x``", "x : torch.Tensor",
-                   "Input, floating, on the device of the parameters (CPU or CUDA).",
-                   "torch.Tensor", "Shape and dtype of ``x``")  # fmt: skip
-    return doc(_MODULE_FORWARD, fn, "``h = residual + x`` and the layer on ``h``",
-               "x, residual : torch.Tensor",
-               "The sublayer's output and the residual stream, one shape, on the parameters' "
-               "device.", "y, h : torch.Tensor",
-               "The normalized ``h`` (dtype of ``x``) and ``h`` itself")  # fmt: skip
+    what, x, y = _MODULE_STEPS[fused]
+    return _docs.step(f"Compute {what} with :func:`{fn}`.", x, f"{y}; differentiable (once).",
+                      f":func:`{fn}`")  # fmt: skip
 
 
 _EXTRA_REPR = r"""The constructor arguments shown by ``repr(module)``, as in {0}.
@@ -654,11 +600,23 @@ _EXTRA_REPR = r"""The constructor arguments shown by ``repr(module)``, as in {0}
             E.g. the normalized shape, ``eps`` and whether parameters are learned.
         """
 
+_MODULE = {
+    **_docs.ENTRIES,
+    "device": """device : torch.device or None, default None
+    Device of the parameters (None: torch's default).""",
+    "dtype": """dtype : torch.dtype or None, default None
+    Dtype of the parameters (None: torch's default).""",
+    "residual_dtype": _RESIDUAL_DTYPE,
+}
+_module = _docs.parameters(_MODULE)
+_rms_module = _docs.parameters({**_MODULE, **_docs.RMS, "eps": _RMS_EPS})
+
 
 class _Norm(nn.Module):
     """What LayerNorm and RMSNorm (and their fused forms) share: check and set the shape,
     ``eps`` and offset, then learn the weight (``1 - weight_offset``) and, unless ``bias`` is
-    None (RMSNorm has none), the bias (zeros); reset them; show them in ``repr``."""
+    None (RMSNorm has none), the bias (zeros); reset them; show them in ``repr``; apply the
+    function of this module that computes them."""
 
     def __init__(self, normalized_shape, eps, affine, weight_offset, device, dtype, bias=None):
         super().__init__()
@@ -685,26 +643,24 @@ class _Norm(nn.Module):
         if getattr(self, "bias", None) is not None:
             nn.init.zeros_(self.bias)
 
-    @doc(_EXTRA_REPR, "``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``")
+    @_docs.doc(_EXTRA_REPR, "``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``")
     def extra_repr(self):
         return (
             f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
         )
 
+    def _apply_norm(self, fn, *inputs, **kw):
+        """``fn(*inputs, normalized_shape, weight[, bias], eps, weight_offset=..., **kw)``."""
+        params = (self.weight, self.bias) if "bias" in self._parameters else (self.weight,)
+        args = (*inputs, self.normalized_shape, *params, self.eps)
+        return fn(*args, weight_offset=self.weight_offset, **kw)
 
-@entries
+
+@_module
 class LayerNorm(_Norm):
-    r"""Drop-in for ``torch.nn.LayerNorm`` computed by lnlib.
+    r"""Drop-in for ``torch.nn.LayerNorm`` computed by lnlib (:func:`layer_norm`).
 
     Covered in :ref:`sec-ch05-torch-bridge`.
-
-    Parameters
-    ----------
-    normalized_shape, eps, elementwise_affine, bias, device, dtype
-        As for ``torch.nn.LayerNorm``: the trailing axes to normalize over; the number added to
-        the variance (1e-5); whether to learn ``weight`` and, if ``bias``, ``bias`` (zeros);
-        the parameters' device and dtype.
-    {scale_offset}
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -717,22 +673,14 @@ class LayerNorm(_Norm):
 
     @_module_forward("layer_norm")
     def forward(self, x):
-        w, b, shape = self.weight, self.bias, self.normalized_shape
-        return layer_norm(x, shape, w, b, self.eps, weight_offset=self.weight_offset)
+        return self._apply_norm(layer_norm, x)
 
 
-@entries
+@_rms_module
 class RMSNorm(_Norm):
-    r"""Drop-in for ``torch.nn.RMSNorm`` computed by lnlib, as :class:`LayerNorm` is for
-    ``torch.nn.LayerNorm``. Covered in :ref:`sec-ch05-torch-bridge`.
+    r"""Drop-in for ``torch.nn.RMSNorm`` computed by lnlib (:func:`rms_norm`).
 
-    Parameters
-    ----------
-    normalized_shape, eps, elementwise_affine, device, dtype
-        As for ``torch.nn.RMSNorm``: the trailing axes to normalize over; the number added to
-        the mean square (None: ``torch.finfo(x.dtype).eps``); whether to learn ``weight``;
-        the parameters' device and dtype.
-    {gain_offset}
+    Covered in :ref:`sec-ch05-torch-bridge`.
     """
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
@@ -743,23 +691,14 @@ class RMSNorm(_Norm):
 
     @_module_forward("rms_norm")
     def forward(self, x):
-        shape, offset = self.normalized_shape, self.weight_offset
-        return rms_norm(x, shape, self.weight, self.eps, weight_offset=offset)
+        return self._apply_norm(rms_norm, x)
 
 
+@_module
 class GroupNorm(nn.Module):
-    r"""Drop-in for ``torch.nn.GroupNorm`` computed by lnlib.
+    r"""Drop-in for ``torch.nn.GroupNorm`` computed by lnlib (:func:`group_norm`).
 
     Covered in :doc:`/book/04_variants`, section "The family by axes".
-
-    Parameters
-    ----------
-    num_groups, num_channels : int
-        G and C; G must divide C.
-    eps, affine, device, dtype
-        As for ``torch.nn.GroupNorm``: the number added to the variance (1e-5); whether to
-        learn a per-channel ``weight`` (ones) and ``bias`` (zeros); the parameters' device and
-        dtype.
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
@@ -776,32 +715,23 @@ class GroupNorm(nn.Module):
     def forward(self, x):
         return group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
 
-    @doc(_EXTRA_REPR, "``torch.nn.GroupNorm``")
+    @_docs.doc(_EXTRA_REPR, "``torch.nn.GroupNorm``")
     def extra_repr(self):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
 
 
+@_docs.parameters({**_MODULE, **_docs.DYT})
 class DynamicTanh(nn.Module):
     r"""Dynamic Tanh layer (DyT), a drop-in for a LayerNorm over the last axis.
 
-    Parameters
-    ----------
-    normalized_shape : int
-        D, the size of the last axis.
-    alpha_init_value : float, default 0.5
-        Initial value of the learned scalar ``alpha``.
-    elementwise_affine : bool, default True
-        Learn ``weight`` (ones) and ``bias`` (zeros) of shape (D,).
-    device, dtype
-        For the parameters.
+    Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh".
 
     Notes
     -----
     ``alpha`` is a parameter of shape (); a state dict from the DyT authors' code, where it
     has shape (1,), loads with ``load_state_dict`` (torch takes a one-element alpha into it),
     and an ``alpha`` of shape (1,) assigned to the module works too (its gradient then has
-    that shape). Covered in :doc:`/book/04_variants`, section "Without normalization:
-    Dynamic Tanh".
+    that shape).
     """
 
     def __init__(self, normalized_shape, alpha_init_value=0.5, elementwise_affine=True,
@@ -816,22 +746,16 @@ class DynamicTanh(nn.Module):
     def forward(self, x):
         return dynamic_tanh(x, self.alpha, self.weight, self.bias)
 
-    @doc(_EXTRA_REPR, "DyT's reference code")
+    @_docs.doc(_EXTRA_REPR, "DyT's reference code")
     def extra_repr(self):
         return f"{self.normalized_shape}, elementwise_affine={self.elementwise_affine}"
 
 
+@_module
 class AddLayerNorm(LayerNorm):
     r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives ``(y, h)``.
 
     Covered in :ref:`sec-ch05-fused-add`.
-
-    Parameters
-    ----------
-    normalized_shape, eps, elementwise_affine, bias, device, dtype, weight_offset
-        As for :class:`LayerNorm`.
-    residual_dtype : torch.dtype or None, default None
-        Keyword only: the dtype ``h`` is stored in (None: that of ``residual``).
     """
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
@@ -842,22 +766,14 @@ class AddLayerNorm(LayerNorm):
 
     @_module_forward("add_layer_norm", fused=True)
     def forward(self, x, residual):
-        args = (self.normalized_shape, self.weight, self.bias, self.eps)
-        kw = {"weight_offset": self.weight_offset, "residual_dtype": self.residual_dtype}
-        return add_layer_norm(x, residual, *args, **kw)
+        return self._apply_norm(add_layer_norm, x, residual, residual_dtype=self.residual_dtype)
 
 
+@_rms_module
 class AddRMSNorm(RMSNorm):
     r"""The residual add fused with :class:`RMSNorm`: ``forward(x, residual)`` gives ``(y, h)``.
 
     Covered in :ref:`sec-ch05-fused-add`.
-
-    Parameters
-    ----------
-    normalized_shape, eps, elementwise_affine, device, dtype, weight_offset
-        As for :class:`RMSNorm`.
-    residual_dtype : torch.dtype or None, default None
-        Keyword only: the dtype ``h`` is stored in (None: that of ``residual``).
     """
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True,
@@ -868,6 +784,4 @@ class AddRMSNorm(RMSNorm):
 
     @_module_forward("add_rms_norm", fused=True)
     def forward(self, x, residual):
-        args = (self.normalized_shape, self.weight, self.eps)
-        kw = {"weight_offset": self.weight_offset, "residual_dtype": self.residual_dtype}
-        return add_rms_norm(x, residual, *args, **kw)
+        return self._apply_norm(add_rms_norm, x, residual, residual_dtype=self.residual_dtype)
