@@ -174,7 +174,8 @@ static void stream_end(void *scratch)
  * i % LANES, the last short group's element k to lane k); then each block's lanes are added,
  * in float64, to the sum's pairwise total, and the totals go to sum[]. The unroll pragma keeps
  * the lane loop for the vectoriser (fully unrolled first, GCC would make the block loop
- * in-order reductions). */
+ * in-order reductions). The short group goes to zeroed lanes of its own, then added lane by
+ * lane, so that a stays in registers; the same bits, as a lane that starts at +0 is never -0. */
 #define LANE_PASS(count, n, sum, ...)                                                          \
     do {                                                                                       \
         struct pairwise s_[count];                                                             \
@@ -188,9 +189,16 @@ static void stream_end(void *scratch)
                     const ptrdiff_t e = i + k;                                                 \
                     __VA_ARGS__                                                                \
                 }                                                                              \
-            for (int k = 0; i < end; i++, k++) {                                               \
-                const ptrdiff_t e = i;                                                         \
-                __VA_ARGS__                                                                    \
+            if (i < end) {                                                                     \
+                T t_[count][LANES] = {{0}};                                                    \
+                for (int k = 0; i < end; i++, k++) {                                           \
+                    const ptrdiff_t e = i;                                                     \
+                    T(*a)[LANES] = t_;                                                         \
+                    __VA_ARGS__                                                                \
+                }                                                                              \
+                for (int c = 0; c < count; c++)                                                \
+                    for (int k = 0; k < LANES; k++)                                            \
+                        a[c][k] += t_[c][k];                                                   \
             }                                                                                  \
             FN(blocks_add)(s_, a, count);                                                      \
         }                                                                                      \

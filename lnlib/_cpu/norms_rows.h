@@ -121,12 +121,15 @@ static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, con
         return;
     }
     for (ptrdiff_t i = 0; i < n; i++) {
+        T dya = dy[i], dyb = dy[lddy + i], w = weight[i];
         T xhat = (x[i] - shift[0]) * rs[0], xhat_b = (x[ldx + i] - shift[1]) * rs[1];
-        dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat * gx[0]);
-        dx[lddx + i] = rs[1] * (dy[lddy + i] * weight[i] - g[1] - xhat_b * gx[1]);
-        double dw = dweight[i] + dy[i] * xhat, db = dbias[i] + dy[i];
-        dweight[i] = dw + dy[lddy + i] * xhat_b;
-        dbias[i] = db + dy[lddy + i];
+        double dw = dweight[i] + dya * xhat, db = dbias[i] + dya;
+        dw = dw + dyb * xhat_b;
+        db = db + dyb;
+        dx[i] = rs[0] * (dya * w - g[0] - xhat * gx[0]);
+        dx[lddx + i] = rs[1] * (dyb * w - g[1] - xhat_b * gx[1]);
+        dweight[i] = dw;
+        dbias[i] = db;
     }
 }
 
