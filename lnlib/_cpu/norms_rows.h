@@ -72,9 +72,9 @@ static void FN(row_sum_gx)(const T *dya, const T *dyb, const T *weight, const T 
  * both at once, then the pass that writes y or dx row after row. */
 
 /* [listing: layer-norm-row] (chapter 5 shows from here to its end marker) */
-/* Two-pass statistics: a first mean mu0, then the sums of d = x - mu0 and of d^2, whose mean
- * corrects mu0 and whose variance is taken about the corrected mean (Chan, Golub and
- * LeVeque, 1983), never E[x^2] - E[x]^2. Then y. */
+/* Two-pass statistics: a first mean mu0, then the sums of the deviations xt = x - mu0 and of
+ * xt^2, whose mean corrects mu0 and whose variance is taken about the corrected mean (Chan,
+ * Golub and LeVeque, 1983), never mean(x^2) - mean(x)^2. Then y. */
 static void FN(layer_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const T *weight,
                                         const T *bias, T *restrict y, ptrdiff_t ldy, T *mean,
                                         T *rstd, ptrdiff_t n, double eps)
