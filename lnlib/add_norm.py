@@ -314,8 +314,9 @@ def add_layer_norm_backward(
     Returns
     -------
     dsum : ndarray, shape and dtype of ``h``
-        ``dh + dx``, with ``dx`` the gradient :func:`lnlib.layer_norm_backward` gives for ``h``
-        (in the dtype of ``h``), added in the wider of the two dtypes and rounded once.
+        ``dh`` plus the norm's gradient, the first result of :func:`lnlib.layer_norm_backward`
+        for ``h`` (in the dtype of ``h``), added in the wider of the two dtypes and rounded
+        once.
     dweight, dbias : ndarray, shape ``norm``
         As for :func:`lnlib.layer_norm_backward` of ``h``: dtype of ``weight``, or of ``h``.
 
@@ -500,8 +501,8 @@ def add_rms_norm_backward(
     Returns
     -------
     dsum : ndarray, shape and dtype of ``h``
-        ``dh + dx``, with ``dx`` the gradient :func:`lnlib.rms_norm_backward` gives for ``h``,
-        added in the wider of the two dtypes and rounded once.
+        ``dh`` plus the norm's gradient, the first result of :func:`lnlib.rms_norm_backward`
+        for ``h``, added in the wider of the two dtypes and rounded once.
     dweight : ndarray, shape ``norm``
         As for :func:`lnlib.rms_norm_backward` of ``h``.
 

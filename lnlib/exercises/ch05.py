@@ -316,7 +316,8 @@ def _ref_add_layer_norm(x, residual, weight, bias, eps, residual_dtype):
 def check_add_layer_norm(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x, residual, weight, bias, eps, residual_dtype) -> (y, h)``.
 
-    ``h = residual + x``, stored in ``residual_dtype`` (None: the dtype of ``residual``);
+    ``h = residual + x``, added in the widest of the dtypes of ``x``, ``residual`` and
+    ``residual_dtype`` and rounded once to ``residual_dtype`` (None: the dtype of ``residual``);
     ``y`` has the dtype of ``x`` and must be, bit for bit, ``lnlib.layer_norm(h, weight,
     bias, eps=eps)`` cast to the dtype of ``x``: the statistics are those of h as stored.
     ``weight`` and ``bias`` are float32 (or float64 for float64 rows), or None.
@@ -341,6 +342,20 @@ def check_add_layer_norm(fn: Callable[..., Any]) -> CheckResult:
             np.float32,
         ),
         ("(5, 1): one value per row (y = bias)", (5, 1), np.float32, np.float32, None),
+        (
+            "(4, 64): x float64 on a float32 stream (added in float64, rounded once)",
+            (4, 64),
+            np.float64,
+            np.float32,
+            None,
+        ),
+        (
+            "(4, 64): float32 x and residual, residual_dtype=float16 (rounded once)",
+            (4, 64),
+            np.float32,
+            np.float32,
+            np.float16,
+        ),
     ]:
         pd = np.float64 if xd == np.float64 else np.float32
         x = rng.normal(size=shape).astype(xd)

@@ -224,7 +224,15 @@ def test_mistakes_are_caught(capsys):
 
 def add_layer_norm(x, residual, weight, bias, eps, residual_dtype):
     h_dtype = residual.dtype if residual_dtype is None else np.dtype(residual_dtype)
-    h = (residual.astype(h_dtype) + x.astype(h_dtype)).astype(h_dtype)
+    wide = np.result_type(x.dtype, residual.dtype, h_dtype)
+    h = (residual.astype(wide) + x.astype(wide)).astype(h_dtype)
+    return lnlib.layer_norm(h, weight, bias, eps=eps).astype(x.dtype), h
+
+
+def add_layer_norm_rounds_twice(x, residual, weight, bias, eps, residual_dtype):
+    # rounds x and residual to the stream's dtype before the add: two roundings, not one
+    h_dtype = residual.dtype if residual_dtype is None else np.dtype(residual_dtype)
+    h = residual.astype(h_dtype) + x.astype(h_dtype)
     return lnlib.layer_norm(h, weight, bias, eps=eps).astype(x.dtype), h
 
 
@@ -295,12 +303,13 @@ def test_fused_add_mistakes_are_caught(capsys):
     assert not ch05.check_add_layer_norm(add_layer_norm_normalizes_x)
     assert not ch05.check_add_layer_norm(add_layer_norm_h_in_x_dtype)
     assert not ch05.check_add_layer_norm(add_layer_norm_two_pass_stats_of_unrounded)
+    assert not ch05.check_add_layer_norm(add_layer_norm_rounds_twice)
     assert not ch05.check_add_backward(add_backward_forgets_dh)
     assert not ch05.check_add_backward(add_backward_dh_only)
     assert not ch05.check_fused_bytes(fused_bytes_all_in_x_dtype)
     assert not ch05.check_fused_bytes(fused_bytes_backward_unchanged)
     out = capsys.readouterr().out
-    assert out.count("FAIL") == 7
+    assert out.count("FAIL") == 8
     assert "residual float32" in out
 
 
