@@ -278,75 +278,61 @@ static uint16_t float_to_half(float f)
                                         1u << (shift - 1)));
 }
 
-#ifdef NORMS_F16C
 static int have_f16c(void)
 {
+#ifdef NORMS_F16C
     __builtin_cpu_init();
     return __builtin_cpu_supports("f16c");
-}
-
-/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a:
- * eight values per instruction, the rest one by one. */
-__attribute__((target("avx,f16c"))) static void rows_in_f16c(const uint16_t *a, ptrdiff_t ld,
-                                                            float *f, ptrdiff_t stride, int k,
-                                                            ptrdiff_t n)
-{
-    for (int j = 0; j < k; j++, a += ld, f += stride) {
-        ptrdiff_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))));
-        for (; i < n; i++)
-            f[i] = half_to_float(a[i]);
-    }
-}
-
-__attribute__((target("avx,f16c"))) static void rows_out_f16c(const float *f, ptrdiff_t stride,
-                                                             uint16_t *a, int k, ptrdiff_t n)
-{
-    for (int j = 0; j < k; j++, a += n, f += stride) {
-        ptrdiff_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            _mm_storeu_si128((__m128i *)(a + i),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
-        for (; i < n; i++)
-            a[i] = float_to_half(f[i]);
-    }
-}
 #else
-static int have_f16c(void)
-{
     return 0;
-}
-#define rows_in_f16c(a, ld, f, stride, k, n) ((void)0)
-#define rows_out_f16c(f, stride, a, k, n) ((void)0)
 #endif
+}
 
 const char *norms_half_conversion(void)
 {
     return have_f16c() ? "f16c" : "portable";
 }
 
-/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a,
- * with F16C where the CPU has it, else the bit operations. */
+#ifdef NORMS_F16C
+/* The first n - n % 8 values of a row, eight per instruction; returns how many. */
+__attribute__((target("avx,f16c"))) static ptrdiff_t f16c_in(const uint16_t *a, float *f,
+                                                             ptrdiff_t n)
+{
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))));
+    return i;
+}
+
+__attribute__((target("avx,f16c"))) static ptrdiff_t f16c_out(const float *f, uint16_t *a,
+                                                              ptrdiff_t n)
+{
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(a + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+    return i;
+}
+#else
+#define f16c_in(a, f, n) 0
+#define f16c_out(f, a, n) 0
+#endif
+
+/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a:
+ * with F16C where the CPU has it, the rest (or all) by the bit operations. */
 static void rows_in(const uint16_t *a, ptrdiff_t ld, float *f, ptrdiff_t stride, int k,
                     ptrdiff_t n)
 {
-    if (have_f16c())
-        rows_in_f16c(a, ld, f, stride, k, n);
-    else
-        for (int j = 0; j < k; j++)
-            for (ptrdiff_t i = 0; i < n; i++)
-                f[j * stride + i] = half_to_float(a[j * ld + i]);
+    for (int j = 0; j < k; j++, a += ld, f += stride)
+        for (ptrdiff_t i = have_f16c() ? f16c_in(a, f, n) : 0; i < n; i++)
+            f[i] = half_to_float(a[i]);
 }
 
 static void rows_out(const float *f, ptrdiff_t stride, uint16_t *a, int k, ptrdiff_t n)
 {
-    if (have_f16c())
-        rows_out_f16c(f, stride, a, k, n);
-    else
-        for (int j = 0; j < k; j++)
-            for (ptrdiff_t i = 0; i < n; i++)
-                a[j * n + i] = float_to_half(f[j * stride + i]);
+    for (int j = 0; j < k; j++, a += n, f += stride)
+        for (ptrdiff_t i = have_f16c() ? f16c_out(f, a, n) : 0; i < n; i++)
+            a[i] = float_to_half(f[i]);
 }
 
 /* n float16 values to float, and back (exported for the tests). */
