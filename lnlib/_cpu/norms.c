@@ -69,36 +69,22 @@ static ptrdiff_t block_len(ptrdiff_t start, ptrdiff_t n)
     return n - start < BLOCK ? n - start : BLOCK;
 }
 
-/* Pairwise sum of a stream of values (a binary counter): level[k] holds the sum of the last
- * 2^k values not yet merged, so each value goes through at most log2(count) additions. */
+/* `count` pairwise sums of streams of values (binary counters): level[k][c] holds the sum of
+ * the last 2^k values of sum c not yet merged, so each value goes through at most log2(blocks)
+ * additions; sums of one pass get their values together. */
 struct pairwise {
-    double level[64];
-    long long count;
+    double level[64][4];
+    long long blocks;
 };
 
-static void pairwise_add(struct pairwise *s, double v)
-{
-    int k = 0;
-    for (long long c = s->count++; c & 1; c >>= 1)
-        v = s->level[k++] + v;
-    s->level[k] = v;
-}
-
-/* Starts `count` pairwise sums (the levels are written before they are read). */
-static void pairwise_start(struct pairwise *s, int count)
-{
-    for (int c = 0; c < count; c++)
-        s[c].count = 0;
-}
-
-/* The totals of `count` pairwise sums: the levels still held, from the lowest. */
+/* The totals: the levels still held, from the lowest. */
 static void pairwise_totals(const struct pairwise *s, int count, double *total)
 {
-    for (int c = 0; c < count; c++, s++) {
+    for (int c = 0; c < count; c++) {
         total[c] = 0;
-        for (int k = 0; (s->count >> k) != 0; k++)
-            if ((s->count >> k) & 1)
-                total[c] = s->level[k] + total[c];
+        for (int k = 0; (s->blocks >> k) != 0; k++)
+            if ((s->blocks >> k) & 1)
+                total[c] = s->level[k][c] + total[c];
     }
 }
 
@@ -278,33 +264,6 @@ __attribute__((target("avx,f16c"))) static ptrdiff_t f16c_out(const float *f, ui
 #define f16c_out(f, a, n) 0
 #endif
 
-/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a:
- * with F16C where the CPU has it, the rest (or all) by the bit operations. */
-static void rows_in(const uint16_t *a, ptrdiff_t ld, float *f, ptrdiff_t stride, int k,
-                    ptrdiff_t n)
-{
-    for (int j = 0; j < k; j++, a += ld, f += stride)
-        for (ptrdiff_t i = have_f16c() ? f16c_in(a, f, n) : 0; i < n; i++)
-            f[i] = half_to_float(a[i]);
-}
-
-static void rows_out(const float *f, ptrdiff_t stride, uint16_t *a, int k, ptrdiff_t n)
-{
-    for (int j = 0; j < k; j++, a += n, f += stride)
-        for (ptrdiff_t i = have_f16c() ? f16c_out(f, a, n) : 0; i < n; i++)
-            a[i] = float_to_half(f[i]);
-}
-
-/* n float16 values to float, and back (exported for the tests). */
-void norms_half_to_float(const uint16_t *h, float *f, ptrdiff_t n)
-{
-    rows_in(h, n, f, n, 1, n);
-}
-
-void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
-{
-    rows_out(f, n, h, 1, n);
-}
 
 /* An input of the kernels: rows ld elements apart, of the type T of the kernel that reads them,
  * or (half) float16 bits, which only float kernels read. */
@@ -325,8 +284,8 @@ struct rows {
  * lane, so that a stays in registers; the same bits, as a lane that starts at +0 is never -0. */
 #define LANE_PASS(count, n, sum, ...)                                                          \
     do {                                                                                       \
-        struct pairwise s_[count];                                                             \
-        pairwise_start(s_, count);                                                             \
+        struct pairwise s_;                                                                    \
+        s_.blocks = 0;                                                                         \
         for (ptrdiff_t start = 0; start < (n); start += BLOCK) {                               \
             ptrdiff_t end = start + block_len(start, (n)), i = start;                          \
             T a[count][LANES] = {{0}};                                                         \
@@ -347,9 +306,9 @@ struct rows {
                     for (int k = 0; k < LANES; k++)                                            \
                         a[c][k] += t_[c][k];                                                   \
             }                                                                                  \
-            FN(blocks_add)(s_, a, count);                                                      \
+            FN(pairwise_add)(&s_, a, count);                                                   \
         }                                                                                      \
-        pairwise_totals(s_, count, sum);                                                       \
+        pairwise_totals(&s_, count, sum);                                                      \
     } while (0)
 
 #define T float
@@ -363,6 +322,18 @@ struct rows {
 #include "norms_rows.h"
 #undef T
 #undef FN
+
+/* n float16 values to float, and back, as the float16 kernels convert (for the tests). */
+void norms_half_to_float(const uint16_t *h, float *f, ptrdiff_t n)
+{
+    ptrdiff_t ld;
+    rows_read_f32(ROWS(h, n, 1), 0, 1, n, f, &ld);
+}
+
+void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
+{
+    rows_write_f32(h, 1, 0, 1, n, f);
+}
 
 /* The exported functions (norms.h): LayerNorm (rms 0) and RMSNorm (rms 1) of rows stored as TX
  * (float16 when HX), computed by the F (f32 or f64) functions; then the fused residual add, its

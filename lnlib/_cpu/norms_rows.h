@@ -23,11 +23,17 @@ static double FN(lanes_total)(const T a[LANES])
     return s[0] + s[1];
 }
 
-/* The block's lanes of `count` sums, each added to its pairwise total. */
-static void FN(blocks_add)(struct pairwise *s, T a[][LANES], int count)
+/* Adds the block's lanes of `count` sums, each to its pairwise sum. */
+static void FN(pairwise_add)(struct pairwise *s, T a[][LANES], int count)
 {
-    for (int c = 0; c < count; c++)
-        pairwise_add(&s[c], FN(lanes_total)(a[c]));
+    for (int c = 0, k; c < count; c++) {
+        double v = FN(lanes_total)(a[c]);
+        k = 0;
+        for (long long b = s->blocks; b & 1; b >>= 1)
+            v = s->level[k++][c] + v;
+        s->level[k][c] = v;
+    }
+    s->blocks++;
 }
 
 /* The passes' sums, over rows a and b at once (b may be a; each row's sums are the same alone
@@ -171,13 +177,18 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
 }
 
 /* Rows r, r + 1 of input a as rows of T, *ld apart: a's own, or its float16 rows converted into
- * the scratch rows s. */
+ * the scratch rows s (F16C where the CPU has it, the rest or all by the bit operations). */
 static const T *FN(rows_read)(struct rows a, ptrdiff_t r, int k, ptrdiff_t n, T *s, ptrdiff_t *ld)
 {
     *ld = a.half ? n : a.ld;
     if (!a.half)
         return (const T *)a.p + r * a.ld;
-    rows_in((const uint16_t *)a.p + r * a.ld, a.ld, (float *)s, n, k, n);
+    for (int j = 0; j < k; j++) {
+        const uint16_t *h = (const uint16_t *)a.p + (r + j) * a.ld;
+        float *f = (float *)s + j * n;
+        for (ptrdiff_t i = have_f16c() ? f16c_in(h, f, n) : 0; i < n; i++)
+            f[i] = half_to_float(h[i]);
+    }
     return s;
 }
 
@@ -185,10 +196,13 @@ static const T *FN(rows_read)(struct rows a, ptrdiff_t r, int k, ptrdiff_t n, T 
  * streamed. */
 static void FN(rows_write)(void *a, int half, ptrdiff_t r, int k, ptrdiff_t n, const T *s)
 {
-    if (half)
-        rows_out((const float *)s, n, (uint16_t *)a + r * n, k, n);
-    else
+    const float *f = (const float *)s;
+    uint16_t *h = (uint16_t *)a + r * n;
+    if (!half)
         stream_copy((T *)a + r * n, s, k * n, sizeof(T));
+    else
+        for (ptrdiff_t i = have_f16c() ? f16c_out(f, h, k * n) : 0; i < k * n; i++)
+            h[i] = float_to_half(f[i]);
 }
 
 /* The forward of rows x or, with a residual, of h = residual + x (the fused residual add: h
