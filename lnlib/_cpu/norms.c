@@ -1,25 +1,19 @@
-/* Row-wise LayerNorm and RMSNorm, forward and backward, for the CPU (declared in norms.h).
+/* Row-wise LayerNorm and RMSNorm, forward and backward, for the CPU (declared in norms.h), built
+ * into lnlib._cpu._norms by lnlib/_cpu/build.py; lnlib/_cpu/c_kernel.py calls it on chunks of
+ * rows, one chunk per thread. The row functions are written once, in norms_rows.h, included below
+ * for float and for double; the float16 kernels convert rows to float and run the float ones.
  *
- * Built into the extension module lnlib._cpu._norms when the package is built
- * (lnlib/_cpu/build.py); lnlib/_cpu/c_kernel.py calls it on chunks of rows, one chunk per
- * thread. The row functions are written once, in norms_rows.h, included below for float and
- * for double; the float16 kernels convert each row to float and run the float ones.
- *
- * A row is read from memory once: the first pass brings it into cache, the later passes find
- * it there. The order of every sum depends on the row length only (never on the row's
- * address, its place in the batch or the thread), so results are bitwise batch and thread
- * invariant; the column sums of dweight and dbias are accumulated in float64 per block of
- * NORMS_BLOCK_ROWS rows and the blocks added pairwise (sum_blocks_pairwise).
+ * A row is read from memory once: the first pass brings it into cache, the later passes find it
+ * there. The order of every sum depends on the row length only (never on the row's address, its
+ * place in the batch or the thread), so results are bitwise batch and thread invariant.
  *
  * Compiled with -ffp-contract=off, so no multiply-add is fused behind our back. On x86-64 each
- * exported kernel is also compiled for AVX2 and AVX-512 (target_clones) and the loader picks
- * the widest the CPU has; the lanes and their order are written out in the C, so every
- * version gives the same bits (tests/test_cpu_kernels.py compares them). Two build switches,
- * for the tests: -DNORMS_NO_CLONES builds the baseline version alone, -DNORMS_NO_F16C the
- * portable float16 conversion alone.
+ * exported kernel is also compiled for AVX2 and AVX-512 (target_clones) and the loader picks the
+ * widest the CPU has; the lanes and their order are written out in the C, so every version gives
+ * the same bits. Two build switches, for the tests: -DNORMS_NO_CLONES builds the baseline version
+ * alone, -DNORMS_NO_F16C the portable float16 conversion alone.
  *
- * Book: chapter "Implementation", section "A compiled kernel".
- */
+ * Book: chapter "Implementation", section "A compiled kernel". */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -115,17 +109,6 @@ int norms_set_streaming(int enabled)
     return before;
 }
 
-/* Whether a call that writes (m, n) values of `size` bytes streams them. */
-static int streams(ptrdiff_t m, ptrdiff_t n, size_t size)
-{
-#ifdef __SSE2__
-    return stream_enabled && n <= STREAM_ROW_MAX && (size_t)m * (size_t)n * size >= STREAM_BYTES;
-#else
-    (void)m, (void)n, (void)size;
-    return 0;
-#endif
-}
-
 /* n values of `size` bytes from src to dst, streamed where dst is 16-byte aligned. */
 static void stream_copy(void *dst, const void *src, ptrdiff_t n, size_t size)
 {
@@ -143,12 +126,18 @@ static void stream_copy(void *dst, const void *src, ptrdiff_t n, size_t size)
     memcpy(d + i, s + i, bytes - i);
 }
 
-/* `rows` scratch rows of n values of `size` bytes, or NULL (n too large, or malloc failed). */
-static void *scratch_rows(int rows, ptrdiff_t n, size_t size)
+/* Eight scratch rows of n values of `size` bytes where float16 rows (half) or streaming need
+ * them, else NULL; *stream: whether the call streams its (m, n) output (not if malloc failed). */
+static void *scratch(int half, int *stream, ptrdiff_t m, ptrdiff_t n, size_t size)
 {
-    if (n > PTRDIFF_MAX / 64 / rows)
-        return NULL;
-    return malloc(((size_t)rows * (size_t)n + 1) * size);
+#ifdef __SSE2__
+    *stream = stream_enabled && n <= STREAM_ROW_MAX && (size_t)m * (size_t)n * size >= STREAM_BYTES;
+#else
+    *stream = 0;
+#endif
+    void *s = (half || *stream) && n < PTRDIFF_MAX / 64 ? malloc((8 * (size_t)n + 1) * size) : 0;
+    *stream = *stream && s;
+    return s;
 }
 
 /* Frees the scratch and, after streamed stores, orders them before what this thread does next
@@ -163,12 +152,8 @@ static void stream_end(void *scratch, int stream)
     free(scratch);
 }
 
-/* ---------------------------------------------------------------------------------------
- * float16: a result is the float32 kernel's on the inputs converted to float (exact: every
- * float16 is a float), with y and dx rounded once to float16, to nearest with ties to even;
- * mean, rstd and the column sums are the float32 kernel's. Each row is converted into a
- * scratch row (in cache), goes through the float row function, and its y or dx is converted
- * into the output (ordinary stores). Conversions: the F16C instructions where the CPU has them
+/* float16: a result is the float32 kernel's on the inputs converted to float (exact), with y
+ * and dx rounded once to float16. Conversions: the F16C instructions where the CPU has them
  * (chosen at run time: the "avx2" version does not imply F16C), else bit operations; both are
  * exact or correctly rounded, so they give the same bits. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(NORMS_NO_F16C)

@@ -2,12 +2,8 @@
  *   T       the element type
  *   FN(f)   the name f with the type's suffix (f_f32, f_f64)
  *
- * Every sum over a row runs in blocks of BLOCK elements. Within a block, element i goes to
- * lane i % LANES of an accumulator of LANES values of T (the last, short group of a block:
- * its element k to lane k); the lanes are added pairwise in float64 (lanes_total), and the
- * block totals pairwise in float64 (struct pairwise). Each pass is one function whose loop is
- * the skeleton LANE_PASS (norms.c) with the pass's terms; the compiler vectorises the lanes for
- * each instruction set. */
+ * Each pass is one function whose loop is the skeleton LANE_PASS (norms.c) with the pass's terms;
+ * the compiler vectorises the lanes for each instruction set. */
 
 /* The lanes added pairwise in float64: lane k + lane k + 8, then + 4, + 2, + 1. */
 static double FN(lanes_total)(const T a[LANES])
@@ -213,11 +209,10 @@ static void FN(rows_write)(void *a, int half, ptrdiff_t r, int k, ptrdiff_t n, c
 static int FN(forward)(int rms, struct rows x, struct rows res, const T *weight, const T *bias,
                        void *y, void *h, T *mean, T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
 {
-    int stream = streams(m, n, sizeof(T)), half = x.half || res.half;
-    T *s = half || stream ? scratch_rows(8, n, sizeof(T)) : NULL;
+    int stream, half = x.half || res.half;
+    T *s = scratch(half, &stream, m, n, sizeof(T));
     if (half && !s)
         return 1;
-    stream = stream && s;
     for (ptrdiff_t r = 0, k, ld, ldr; r < m; r += k) {
         k = rows_at(r, m, n);
         const T *in = FN(rows_read)(x, r, k, n, s, &ld);
@@ -253,11 +248,10 @@ static int FN(backward)(int rms, struct rows dy, struct rows dh, struct rows x, 
                         const T *rstd, const T *weight, void *dx, double *dweight_blocks,
                         double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)
 {
-    int stream = streams(m, n, sizeof(T)), half = dy.half || x.half;
-    T *s = half || stream ? scratch_rows(8, n, sizeof(T)) : NULL;
+    int stream, half = dy.half || x.half;
+    T *s = scratch(half, &stream, m, n, sizeof(T));
     if (half && !s)
         return 1;
-    stream = stream && s;
     for (ptrdiff_t r = 0, k, lddy, ldx, ldh; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
         k = rows_at(r, m, n);
