@@ -1,25 +1,19 @@
-/* Row-wise LayerNorm and RMSNorm, forward and backward, for the CPU (declared in norms.h).
+/* Row-wise LayerNorm and RMSNorm, forward and backward, for the CPU (declared in norms.h), built
+ * into lnlib._cpu._norms by lnlib/_cpu/build.py; lnlib/_cpu/c_kernel.py calls it on chunks of
+ * rows, one chunk per thread. The row functions are written once, in norms_rows.h, included below
+ * for float and for double; the float16 kernels convert rows to float and run the float ones.
  *
- * Built into the extension module lnlib._cpu._norms when the package is built
- * (lnlib/_cpu/build.py); lnlib/_cpu/c_kernel.py calls it on chunks of rows, one chunk per
- * thread. The row functions are written once, in norms_rows.h, included below for float and
- * for double; the float16 kernels convert each row to float and run the float ones.
- *
- * A row is read from memory once: the first pass brings it into cache, the later passes find
- * it there. The order of every sum depends on the row length only (never on the row's
- * address, its place in the batch or the thread), so results are bitwise batch and thread
- * invariant; the column sums of dweight and dbias are accumulated in float64 per block of
- * NORMS_BLOCK_ROWS rows and the blocks added pairwise (sum_blocks_pairwise).
+ * A row is read from memory once: the first pass brings it into cache, the later passes find it
+ * there. The order of every sum depends on the row length only (never on the row's address, its
+ * place in the batch or the thread), so results are bitwise batch and thread invariant.
  *
  * Compiled with -ffp-contract=off, so no multiply-add is fused behind our back. On x86-64 each
- * exported kernel is also compiled for AVX2 and AVX-512 (target_clones) and the loader picks
- * the widest the CPU has; the lanes and their order are written out in the C, so every
- * version gives the same bits (tests/test_cpu_kernels.py compares them). Two build switches,
- * for the tests: -DNORMS_NO_CLONES builds the baseline version alone, -DNORMS_NO_F16C the
- * portable float16 conversion alone.
+ * exported kernel is also compiled for AVX2 and AVX-512 (target_clones) and the loader picks the
+ * widest the CPU has; the lanes and their order are written out in the C, so every version gives
+ * the same bits. Two build switches, for the tests: -DNORMS_NO_CLONES builds the baseline version
+ * alone, -DNORMS_NO_F16C the portable float16 conversion alone.
  *
- * Book: chapter "Implementation", section "A compiled kernel".
- */
+ * Book: chapter "Implementation", section "A compiled kernel". */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -69,36 +63,22 @@ static ptrdiff_t block_len(ptrdiff_t start, ptrdiff_t n)
     return n - start < BLOCK ? n - start : BLOCK;
 }
 
-/* Pairwise sum of a stream of values (a binary counter): level[k] holds the sum of the last
- * 2^k values not yet merged, so each value goes through at most log2(count) additions. */
+/* `count` pairwise sums of streams of values (binary counters): level[k][c] holds the sum of
+ * the last 2^k values of sum c not yet merged, so each value goes through at most log2(blocks)
+ * additions; sums of one pass get their values together. */
 struct pairwise {
-    double level[64];
-    long long count;
+    double level[64][4];
+    long long blocks;
 };
 
-static void pairwise_add(struct pairwise *s, double v)
-{
-    int k = 0;
-    for (long long c = s->count++; c & 1; c >>= 1)
-        v = s->level[k++] + v;
-    s->level[k] = v;
-}
-
-/* Starts `count` pairwise sums (the levels are written before they are read). */
-static void pairwise_start(struct pairwise *s, int count)
-{
-    for (int c = 0; c < count; c++)
-        s[c].count = 0;
-}
-
-/* The totals of `count` pairwise sums: the levels still held, from the lowest. */
+/* The totals: the levels still held, from the lowest. */
 static void pairwise_totals(const struct pairwise *s, int count, double *total)
 {
-    for (int c = 0; c < count; c++, s++) {
+    for (int c = 0; c < count; c++) {
         total[c] = 0;
-        for (int k = 0; (s->count >> k) != 0; k++)
-            if ((s->count >> k) & 1)
-                total[c] = s->level[k] + total[c];
+        for (int k = 0; (s->blocks >> k) != 0; k++)
+            if ((s->blocks >> k) & 1)
+                total[c] = s->level[k][c] + total[c];
     }
 }
 
@@ -129,18 +109,6 @@ int norms_set_streaming(int enabled)
     return before;
 }
 
-/* `rows` scratch rows of n elements of `size` bytes when the call streams its (m, n) output,
- * else NULL (also when malloc fails: the rows are then written in place, the same values). */
-static void *stream_scratch(ptrdiff_t m, ptrdiff_t n, size_t size, int rows)
-{
-#ifdef __SSE2__
-    if (stream_enabled && n <= STREAM_ROW_MAX && (size_t)m * (size_t)n * size >= STREAM_BYTES)
-        return malloc((size_t)rows * (size_t)n * size);
-#endif
-    (void)m, (void)n, (void)size, (void)rows;
-    return NULL;
-}
-
 /* n values of `size` bytes from src to dst, streamed where dst is 16-byte aligned. */
 static void stream_copy(void *dst, const void *src, ptrdiff_t n, size_t size)
 {
@@ -158,71 +126,34 @@ static void stream_copy(void *dst, const void *src, ptrdiff_t n, size_t size)
     memcpy(d + i, s + i, bytes - i);
 }
 
-/* Frees the scratch and orders this thread's streamed stores before what it does next (the
- * caller then hands the output to other threads). */
-static void stream_end(void *scratch)
+/* Eight scratch rows of n values of `size` bytes where float16 rows (half) or streaming need
+ * them, else NULL; *stream: whether the call streams its (m, n) output (not if malloc failed). */
+static void *scratch(int half, int *stream, ptrdiff_t m, ptrdiff_t n, size_t size)
 {
 #ifdef __SSE2__
-    if (scratch)
+    *stream = stream_enabled && n <= STREAM_ROW_MAX && (size_t)m * (size_t)n * size >= STREAM_BYTES;
+#else
+    *stream = 0;
+#endif
+    void *s = (half || *stream) && n < PTRDIFF_MAX / 64 ? malloc((8 * (size_t)n + 1) * size) : 0;
+    *stream = *stream && s;
+    return s;
+}
+
+/* Frees the scratch and, after streamed stores, orders them before what this thread does next
+ * (the caller then hands the output to other threads). */
+static void stream_end(void *scratch, int stream)
+{
+#ifdef __SSE2__
+    if (stream)
         _mm_sfence();
 #endif
+    (void)stream;
     free(scratch);
 }
 
-/* The skeleton of a pass over the rows (norms_rows.h): per block, the lanes a[c] of `count`
- * sums, to which the statements `...` add element e to lane k (element i of the block to lane
- * i % LANES, the last short group's element k to lane k); then each block's lanes are added,
- * in float64, to the sum's pairwise total, and the totals go to sum[]. The unroll pragma keeps
- * the lane loop for the vectoriser (fully unrolled first, GCC would make the block loop
- * in-order reductions). The short group goes to zeroed lanes of its own, then added lane by
- * lane, so that a stays in registers; the same bits, as a lane that starts at +0 is never -0. */
-#define LANE_PASS(count, n, sum, ...)                                                          \
-    do {                                                                                       \
-        struct pairwise s_[count];                                                             \
-        pairwise_start(s_, count);                                                             \
-        for (ptrdiff_t start = 0; start < (n); start += BLOCK) {                               \
-            ptrdiff_t end = start + block_len(start, (n)), i = start;                          \
-            T a[count][LANES] = {{0}};                                                         \
-            for (; i + LANES <= end; i += LANES)                                               \
-                _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                        \
-                {                                                                              \
-                    const ptrdiff_t e = i + k;                                                 \
-                    __VA_ARGS__                                                                \
-                }                                                                              \
-            if (i < end) {                                                                     \
-                T t_[count][LANES] = {{0}};                                                    \
-                for (int k = 0; i < end; i++, k++) {                                           \
-                    const ptrdiff_t e = i;                                                     \
-                    T(*a)[LANES] = t_;                                                         \
-                    __VA_ARGS__                                                                \
-                }                                                                              \
-                for (int c = 0; c < count; c++)                                                \
-                    for (int k = 0; k < LANES; k++)                                            \
-                        a[c][k] += t_[c][k];                                                   \
-            }                                                                                  \
-            FN(blocks_add)(s_, a, count);                                                      \
-        }                                                                                      \
-        pairwise_totals(s_, count, sum);                                                       \
-    } while (0)
-
-#define T float
-#define FN(name) name##_f32
-#include "norms_rows.h"
-#undef T
-#undef FN
-
-#define T double
-#define FN(name) name##_f64
-#include "norms_rows.h"
-#undef T
-#undef FN
-
-/* ---------------------------------------------------------------------------------------
- * float16: a result is the float32 kernel's on the inputs converted to float (exact: every
- * float16 is a float), with y and dx rounded once to float16, to nearest with ties to even;
- * mean, rstd and the column sums are the float32 kernel's. Each row is converted into a
- * scratch row (in cache), goes through the float row function, and its y or dx is converted
- * into the output (ordinary stores). Conversions: the F16C instructions where the CPU has them
+/* float16: a result is the float32 kernel's on the inputs converted to float (exact), with y
+ * and dx rounded once to float16. Conversions: the F16C instructions where the CPU has them
  * (chosen at run time: the "avx2" version does not imply F16C), else bit operations; both are
  * exact or correctly rounded, so they give the same bits. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(NORMS_NO_F16C)
@@ -278,304 +209,187 @@ static uint16_t float_to_half(float f)
                                         1u << (shift - 1)));
 }
 
-#ifdef NORMS_F16C
 static int have_f16c(void)
 {
+#ifdef NORMS_F16C
     __builtin_cpu_init();
     return __builtin_cpu_supports("f16c");
-}
-
-/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a:
- * eight values per instruction, the rest one by one. */
-__attribute__((target("avx,f16c"))) static void rows_in_f16c(const uint16_t *a, ptrdiff_t ld,
-                                                            float *f, ptrdiff_t stride, int k,
-                                                            ptrdiff_t n)
-{
-    for (int j = 0; j < k; j++, a += ld, f += stride) {
-        ptrdiff_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))));
-        for (; i < n; i++)
-            f[i] = half_to_float(a[i]);
-    }
-}
-
-__attribute__((target("avx,f16c"))) static void rows_out_f16c(const float *f, ptrdiff_t stride,
-                                                             uint16_t *a, int k, ptrdiff_t n)
-{
-    for (int j = 0; j < k; j++, a += n, f += stride) {
-        ptrdiff_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            _mm_storeu_si128((__m128i *)(a + i),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
-        for (; i < n; i++)
-            a[i] = float_to_half(f[i]);
-    }
-}
 #else
-static int have_f16c(void)
-{
     return 0;
-}
-#define rows_in_f16c(a, ld, f, stride, k, n) ((void)0)
-#define rows_out_f16c(f, stride, a, k, n) ((void)0)
 #endif
+}
 
 const char *norms_half_conversion(void)
 {
     return have_f16c() ? "f16c" : "portable";
 }
 
-/* k rows of float16 a (ld apart) to the float rows f (stride apart), and back to (k, n) a,
- * with F16C where the CPU has it, else the bit operations. */
-static void rows_in(const uint16_t *a, ptrdiff_t ld, float *f, ptrdiff_t stride, int k,
-                    ptrdiff_t n)
+#ifdef NORMS_F16C
+/* The first n - n % 8 values of a row, eight per instruction; returns how many. */
+__attribute__((target("avx,f16c"))) static ptrdiff_t f16c_in(const uint16_t *a, float *f,
+                                                             ptrdiff_t n)
 {
-    if (have_f16c())
-        rows_in_f16c(a, ld, f, stride, k, n);
-    else
-        for (int j = 0; j < k; j++)
-            for (ptrdiff_t i = 0; i < n; i++)
-                f[j * stride + i] = half_to_float(a[j * ld + i]);
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))));
+    return i;
 }
 
-static void rows_out(const float *f, ptrdiff_t stride, uint16_t *a, int k, ptrdiff_t n)
+__attribute__((target("avx,f16c"))) static ptrdiff_t f16c_out(const float *f, uint16_t *a,
+                                                              ptrdiff_t n)
 {
-    if (have_f16c())
-        rows_out_f16c(f, stride, a, k, n);
-    else
-        for (int j = 0; j < k; j++)
-            for (ptrdiff_t i = 0; i < n; i++)
-                a[j * n + i] = float_to_half(f[j * stride + i]);
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(a + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+    return i;
 }
+#else
+#define f16c_in(a, f, n) 0
+#define f16c_out(f, a, n) 0
+#endif
 
-/* n float16 values to float, and back (exported for the tests). */
+
+/* An input of the kernels: rows ld elements apart, of the type T of the kernel that reads them,
+ * or (half) float16 bits, which only float kernels read. */
+struct rows {
+    const void *p;
+    ptrdiff_t ld;
+    int half;
+};
+#define ROWS(p, ld, half) ((struct rows){(p), (ld), (half)})
+#define NONE ROWS(NULL, 0, 0)
+
+/* The skeleton of a pass over the rows (norms_rows.h): per block, the lanes a[c] of `count`
+ * sums, to which the statements `...` add element e to lane k (element i of the block to lane
+ * i % LANES, the last short group's element k to lane k); then each block's lanes are added,
+ * in float64, to the sum's pairwise total, and the totals go to sum[]. The unroll pragma keeps
+ * the lane loop for the vectoriser (fully unrolled first, GCC would make the block loop
+ * in-order reductions). The short group goes to zeroed lanes of its own, then added lane by
+ * lane, so that a stays in registers; the same bits, as a lane that starts at +0 is never -0. */
+#define LANE_PASS(count, n, sum, ...)                                                          \
+    do {                                                                                       \
+        struct pairwise s_;                                                                    \
+        s_.blocks = 0;                                                                         \
+        for (ptrdiff_t start = 0; start < (n); start += BLOCK) {                               \
+            ptrdiff_t end = start + block_len(start, (n)), i = start;                          \
+            T a[count][LANES] = {{0}};                                                         \
+            for (; i + LANES <= end; i += LANES)                                               \
+                _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                        \
+                {                                                                              \
+                    const ptrdiff_t e = i + k;                                                 \
+                    __VA_ARGS__                                                                \
+                }                                                                              \
+            if (i < end) {                                                                     \
+                T t_[count][LANES] = {{0}};                                                    \
+                for (int k = 0; i < end; i++, k++) {                                           \
+                    const ptrdiff_t e = i;                                                     \
+                    T(*a)[LANES] = t_;                                                         \
+                    __VA_ARGS__                                                                \
+                }                                                                              \
+                for (int c = 0; c < count; c++)                                                \
+                    for (int k = 0; k < LANES; k++)                                            \
+                        a[c][k] += t_[c][k];                                                   \
+            }                                                                                  \
+            FN(pairwise_add)(&s_, a, count);                                                   \
+        }                                                                                      \
+        pairwise_totals(&s_, count, sum);                                                      \
+    } while (0)
+
+#define T float
+#define FN(name) name##_f32
+#include "norms_rows.h"
+#undef T
+#undef FN
+
+#define T double
+#define FN(name) name##_f64
+#include "norms_rows.h"
+#undef T
+#undef FN
+
+/* n float16 values to float, and back, as the float16 kernels convert (for the tests). */
 void norms_half_to_float(const uint16_t *h, float *f, ptrdiff_t n)
 {
-    rows_in(h, n, f, n, 1, n);
+    ptrdiff_t ld;
+    rows_read_f32(ROWS(h, n, 1), 0, 1, n, f, &ld);
 }
 
 void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
 {
-    rows_out(f, n, h, 1, n);
+    rows_write_f32(h, 1, 0, 1, n, f);
 }
 
-/* Scratch for float16 rows: `arrays` arrays of two float rows, each `stride` floats (a
- * multiple of 16) apart; array a, row j at scratch + (2 a + j) stride. */
-static float *float_rows(int arrays, ptrdiff_t n, ptrdiff_t *stride)
-{
-    *stride = (n + 15) / 16 * 16;
-    if (n > PTRDIFF_MAX / 64 / arrays)
-        return NULL;
-    return malloc(((size_t)arrays * 2 * (size_t)*stride + 1) * sizeof(float));
-}
-
-/* The float16 forward and backward, with or without the fused residual add, as the typed ones
- * (norms_rows.h): all float16 (h, dh, dsum float16 too); the add in float, h rounded once to
- * float16 (the float sum of two float16 values rounds to the float16 nearest their exact sum,
- * as NumPy adds float16) and read back; dsum = float16(float16(dx) + dh). */
-static int forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
-                       ptrdiff_t ldr, const float *weight, const float *bias, uint16_t *y,
-                       uint16_t *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
-                       double eps)
-{
-    ptrdiff_t st;
-    float *s = float_rows(3, n, &st), *rf = s + 2 * st, *yf = s + 4 * st;
-    if (!s)
-        return 1;
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        k = rows_at(r, m, n);
-        rows_in(x + r * ldx, ldx, s, st, k, n);
-        if (residual) {
-            rows_in(residual + r * ldr, ldr, rf, st, k, n);
-            for (ptrdiff_t j = 0; j < k; j++)
-                for (ptrdiff_t i = 0; i < n; i++)
-                    s[j * st + i] = rf[j * st + i] + s[j * st + i];
-            rows_out(s, st, h + r * n, k, n);
-            rows_in(h + r * n, n, s, st, k, n);
-        }
-        if (rms)
-            rms_norm_forward_rows_f32(k, s, st, weight, yf, st, rstd + r, n, eps);
-        else
-            layer_norm_forward_rows_f32(k, s, st, weight, bias, yf, st, mean + r, rstd + r, n,
-                                        eps);
-        rows_out(yf, st, y + r * n, k, n);
-    }
-    free(s);
-    return 0;
-}
-
-static int backward_f16(int rms, const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
-                        ptrdiff_t lddh, const uint16_t *x, ptrdiff_t ldx, const float *mean,
-                        const float *rstd, const float *weight, uint16_t *dx,
-                        double *dweight_blocks, double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)
-{
-    ptrdiff_t st;
-    float *s = float_rows(3, n, &st), *xf = s + 2 * st, *d = s + 4 * st;
-    if (!s)
-        return 1;
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
-        k = rows_at(r, m, n);
-        rows_in(dy + r * lddy, lddy, s, st, k, n);
-        rows_in(x + r * ldx, ldx, xf, st, k, n);
-        if (rms)
-            rms_norm_backward_rows_f32(k, s, st, xf, st, rstd + r, weight, d, st,
-                                       dweight_blocks + b, n);
-        else
-            layer_norm_backward_rows_f32(k, s, st, xf, st, mean + r, rstd + r, weight, d, st,
-                                         dweight_blocks + b, dbias_blocks + b, n);
-        rows_out(d, st, dx + r * n, k, n);
-        if (dh) {
-            rows_in(dx + r * n, n, d, st, k, n);
-            rows_in(dh + r * lddh, lddh, s, st, k, n);
-            for (ptrdiff_t j = 0; j < k; j++)
-                for (ptrdiff_t i = 0; i < n; i++)
-                    d[j * st + i] = d[j * st + i] + s[j * st + i];
-            rows_out(d, st, dx + r * n, k, n);
-        }
-    }
-    free(s);
-    return 0;
-}
-
-/* The fused residual add with float16 x, y, dy and a float stream (residual, h, dh, dsum):
- * x and dy converted exactly, the float32 row functions, y rounded once; h and dsum streamed
- * as in the typed versions. */
-static int forward_f16f32(int rms, const uint16_t *x, ptrdiff_t ldx, const float *residual,
-                                ptrdiff_t ldr, const float *weight, const float *bias,
-                                uint16_t *y, float *h, float *mean, float *rstd, ptrdiff_t m,
-                                ptrdiff_t n, double eps)
-{
-    ptrdiff_t st;
-    float *s = float_rows(2, n, &st), *yf = s + 2 * st;
-    float *hs = stream_scratch(m, n, sizeof(float), 2);
-    if (!s) {
-        free(hs);
-        return 1;
-    }
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        float *hr = hs ? hs : h + r * n;
-        k = rows_at(r, m, n);
-        rows_in(x + r * ldx, ldx, s, st, k, n);
-        for (ptrdiff_t j = 0; j < k; j++)
-            for (ptrdiff_t i = 0; i < n; i++)
-                hr[j * n + i] = residual[(r + j) * ldr + i] + s[j * st + i];
-        if (rms)
-            rms_norm_forward_rows_f32(k, hr, n, weight, yf, st, rstd + r, n, eps);
-        else
-            layer_norm_forward_rows_f32(k, hr, n, weight, bias, yf, st, mean + r, rstd + r, n,
-                                        eps);
-        rows_out(yf, st, y + r * n, k, n);
-        if (hs)
-            stream_copy(h + r * n, hr, k * n, sizeof(float));
-    }
-    free(s);
-    stream_end(hs);
-    return 0;
-}
-
-static int backward_f16f32(int rms, const uint16_t *dy, ptrdiff_t lddy, const float *dh,
-                                 ptrdiff_t lddh, const float *h, ptrdiff_t ldh, const float *mean,
-                                 const float *rstd, const float *weight, float *dsum,
-                                 double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
-                                 ptrdiff_t n)
-{
-    ptrdiff_t st;
-    float *s = float_rows(1, n, &st), *ds = stream_scratch(m, n, sizeof(float), 2);
-    if (!s) {
-        free(ds);
-        return 1;
-    }
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
-        float *d = ds ? ds : dsum + r * n;
-        k = rows_at(r, m, n);
-        rows_in(dy + r * lddy, lddy, s, st, k, n);
-        if (rms)
-            rms_norm_backward_rows_f32(k, s, st, h + r * ldh, ldh, rstd + r, weight, d, n,
-                                       dweight_blocks + b, n);
-        else
-            layer_norm_backward_rows_f32(k, s, st, h + r * ldh, ldh, mean + r, rstd + r, weight,
-                                         d, n, dweight_blocks + b, dbias_blocks + b, n);
-        for (ptrdiff_t j = 0; dh && j < k; j++)
-            for (ptrdiff_t i = 0; i < n; i++)
-                d[j * n + i] = d[j * n + i] + dh[(r + j) * lddh + i];
-        if (ds)
-            stream_copy(dsum + r * n, d, k * n, sizeof(float));
-    }
-    free(s);
-    stream_end(ds);
-    return 0;
-}
-
-/* The exported functions (norms.h): LayerNorm (rms 0) and RMSNorm (rms 1), without and with
- * the residual add (add_*), of each type. */
-#define NORMS_EXPORTS(S, TX, TP, RET, RETURN)                                                  \
+/* The exported functions (norms.h): LayerNorm (rms 0) and RMSNorm (rms 1) of rows stored as TX
+ * (float16 when HX), computed by the F (f32 or f64) functions; then the fused residual add, its
+ * residual stream stored as TR (float16 when HR). */
+#define NORMS_EXPORTS(S, F, TX, TP, HX, RET, RETURN)                                           \
     NORMS_KERNEL RET layer_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TP *weight,      \
                                             const TP *bias, TX *y, TP *mean, TP *rstd,         \
                                             ptrdiff_t m, ptrdiff_t n, double eps)              \
     {                                                                                          \
-        RETURN forward_##S(0, x, ldx, NULL, 0, weight, bias, y, NULL, mean, rstd, m, n, eps);  \
+        RETURN forward_##F(0, ROWS(x, ldx, HX), NONE, weight, bias, y, NULL, mean, rstd, m, n, \
+                           eps);                                                               \
     }                                                                                          \
     NORMS_KERNEL RET rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TP *weight, TX *y, \
                                           TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps)      \
     {                                                                                          \
-        RETURN forward_##S(1, x, ldx, NULL, 0, weight, NULL, y, NULL, NULL, rstd, m, n, eps);  \
+        RETURN forward_##F(1, ROWS(x, ldx, HX), NONE, weight, NULL, y, NULL, NULL, rstd, m, n, \
+                           eps);                                                               \
     }                                                                                          \
     NORMS_KERNEL RET layer_norm_backward_##S(                                                  \
         const TX *dy, ptrdiff_t lddy, const TX *x, ptrdiff_t ldx, const TP *mean,              \
         const TP *rstd, const TP *weight, TX *dx, double *dweight_blocks,                      \
         double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)                                        \
     {                                                                                          \
-        RETURN backward_##S(0, dy, lddy, NULL, 0, x, ldx, mean, rstd, weight, dx,              \
-                            dweight_blocks, dbias_blocks, m, n);                               \
+        RETURN backward_##F(0, ROWS(dy, lddy, HX), NONE, ROWS(x, ldx, HX), mean, rstd, weight, \
+                            dx, dweight_blocks, dbias_blocks, m, n);                           \
     }                                                                                          \
     NORMS_KERNEL RET rms_norm_backward_##S(const TX *dy, ptrdiff_t lddy, const TX *x,          \
                                            ptrdiff_t ldx, const TP *rstd, const TP *weight,    \
                                            TX *dx, double *dweight_blocks, ptrdiff_t m,        \
                                            ptrdiff_t n)                                        \
     {                                                                                          \
-        RETURN backward_##S(1, dy, lddy, NULL, 0, x, ldx, NULL, rstd, weight, dx,              \
-                            dweight_blocks, NULL, m, n);                                       \
+        RETURN backward_##F(1, ROWS(dy, lddy, HX), NONE, ROWS(x, ldx, HX), NULL, rstd, weight, \
+                            dx, dweight_blocks, NULL, m, n);                                   \
     }
 
-#define NORMS_FUSED_EXPORTS(S, TX, TR, TP)                                                     \
+#define NORMS_FUSED_EXPORTS(S, F, TX, TR, TP, HX, HR)                                          \
     NORMS_KERNEL int add_layer_norm_forward_##S(                                               \
         const TX *x, ptrdiff_t ldx, const TR *residual, ptrdiff_t ldr, const TP *weight,       \
         const TP *bias, TX *y, TR *h, TP *mean, TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps) \
     {                                                                                          \
-        return forward_##S(0, x, ldx, residual, ldr, weight, bias, y, h, mean, rstd, m, n,     \
-                           eps);                                                               \
+        return forward_##F(0, ROWS(x, ldx, HX), ROWS(residual, ldr, HR), weight, bias, y, h,   \
+                           mean, rstd, m, n, eps);                                             \
     }                                                                                          \
     NORMS_KERNEL int add_rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TR *residual,  \
                                               ptrdiff_t ldr, const TP *weight, TX *y, TR *h,   \
                                               TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps)  \
     {                                                                                          \
-        return forward_##S(1, x, ldx, residual, ldr, weight, NULL, y, h, NULL, rstd, m, n,     \
-                           eps);                                                               \
+        return forward_##F(1, ROWS(x, ldx, HX), ROWS(residual, ldr, HR), weight, NULL, y, h,   \
+                           NULL, rstd, m, n, eps);                                             \
     }                                                                                          \
     NORMS_KERNEL int add_layer_norm_backward_##S(                                              \
         const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, const TR *h, ptrdiff_t ldh, \
         const TP *mean, const TP *rstd, const TP *weight, TR *dsum, double *dweight_blocks,    \
         double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)                                        \
     {                                                                                          \
-        return backward_##S(0, dy, lddy, dh, lddh, h, ldh, mean, rstd, weight, dsum,           \
-                            dweight_blocks, dbias_blocks, m, n);                               \
+        return backward_##F(0, ROWS(dy, lddy, HX), ROWS(dh, lddh, HR), ROWS(h, ldh, HR), mean, \
+                            rstd, weight, dsum, dweight_blocks, dbias_blocks, m, n);           \
     }                                                                                          \
     NORMS_KERNEL int add_rms_norm_backward_##S(                                                \
         const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, const TR *h, ptrdiff_t ldh, \
         const TP *rstd, const TP *weight, TR *dsum, double *dweight_blocks, ptrdiff_t m,       \
         ptrdiff_t n)                                                                           \
     {                                                                                          \
-        return backward_##S(1, dy, lddy, dh, lddh, h, ldh, NULL, rstd, weight, dsum,           \
-                            dweight_blocks, NULL, m, n);                                       \
+        return backward_##F(1, ROWS(dy, lddy, HX), ROWS(dh, lddh, HR), ROWS(h, ldh, HR), NULL, \
+                            rstd, weight, dsum, dweight_blocks, NULL, m, n);                   \
     }
 
-NORMS_EXPORTS(f32, float, float, void, (void))
-NORMS_EXPORTS(f64, double, double, void, (void))
-NORMS_EXPORTS(f16, uint16_t, float, int, return)
-NORMS_FUSED_EXPORTS(f32, float, float, float)
-NORMS_FUSED_EXPORTS(f64, double, double, double)
-NORMS_FUSED_EXPORTS(f16, uint16_t, uint16_t, float)
-NORMS_FUSED_EXPORTS(f16f32, uint16_t, float, float)
+NORMS_EXPORTS(f32, f32, float, float, 0, void, (void))
+NORMS_EXPORTS(f64, f64, double, double, 0, void, (void))
+NORMS_EXPORTS(f16, f32, uint16_t, float, 1, int, return)
+NORMS_FUSED_EXPORTS(f32, f32, float, float, float, 0, 0)
+NORMS_FUSED_EXPORTS(f64, f64, double, double, double, 0, 0)
+NORMS_FUSED_EXPORTS(f16, f32, uint16_t, uint16_t, float, 1, 1)
+NORMS_FUSED_EXPORTS(f16f32, f32, uint16_t, float, float, 1, 0)

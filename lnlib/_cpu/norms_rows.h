@@ -2,12 +2,8 @@
  *   T       the element type
  *   FN(f)   the name f with the type's suffix (f_f32, f_f64)
  *
- * Every sum over a row runs in blocks of BLOCK elements. Within a block, element i goes to
- * lane i % LANES of an accumulator of LANES values of T (the last, short group of a block:
- * its element k to lane k); the lanes are added pairwise in float64 (lanes_total), and the
- * block totals pairwise in float64 (struct pairwise). Each pass is one function whose loop is
- * the skeleton LANE_PASS (norms.c) with the pass's terms; the compiler vectorises the lanes for
- * each instruction set. */
+ * Each pass is one function whose loop is the skeleton LANE_PASS (norms.c) with the pass's terms;
+ * the compiler vectorises the lanes for each instruction set. */
 
 /* The lanes added pairwise in float64: lane k + lane k + 8, then + 4, + 2, + 1. */
 static double FN(lanes_total)(const T a[LANES])
@@ -23,11 +19,17 @@ static double FN(lanes_total)(const T a[LANES])
     return s[0] + s[1];
 }
 
-/* The block's lanes of `count` sums, each added to its pairwise total. */
-static void FN(blocks_add)(struct pairwise *s, T a[][LANES], int count)
+/* Adds the block's lanes of `count` sums, each to its pairwise sum. */
+static void FN(pairwise_add)(struct pairwise *s, T a[][LANES], int count)
 {
-    for (int c = 0; c < count; c++)
-        pairwise_add(&s[c], FN(lanes_total)(a[c]));
+    for (int c = 0, k; c < count; c++) {
+        double v = FN(lanes_total)(a[c]);
+        k = 0;
+        for (long long b = s->blocks; b & 1; b >>= 1)
+            v = s->level[k++][c] + v;
+        s->level[k][c] = v;
+    }
+    s->blocks++;
 }
 
 /* The passes' sums, over rows a and b at once (b may be a; each row's sums are the same alone
@@ -170,25 +172,61 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
     }
 }
 
-/* The forward of rows x, ldx apart, or, with a residual, of h = residual + x (the fused
- * residual add: h written, contiguous, then normalised while it is in cache), a pair of rows at a
- * time (rows_at); rms selects RMSNorm (bias and mean unused). A large output is made in scratch
- * and streamed to memory (stream_scratch). */
-static int FN(forward)(int rms, const T *x, ptrdiff_t ldx, const T *residual, ptrdiff_t ldr,
-                       const T *weight, const T *bias, T *y, T *h, T *mean, T *rstd, ptrdiff_t m,
-                       ptrdiff_t n, double eps)
+/* Rows r, r + 1 of input a as rows of T, *ld apart: a's own, or its float16 rows converted into
+ * the scratch rows s (F16C where the CPU has it, the rest or all by the bit operations). */
+static const T *FN(rows_read)(struct rows a, ptrdiff_t r, int k, ptrdiff_t n, T *s, ptrdiff_t *ld)
 {
-    T *s = stream_scratch(m, n, sizeof(T), residual ? 4 : 2);
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
-        const T *in = x + r * ldx;
-        ptrdiff_t ld = ldx;
-        T *yr = s ? s : y + r * n, *hr = NULL;
+    *ld = a.half ? n : a.ld;
+    if (!a.half)
+        return (const T *)a.p + r * a.ld;
+    for (int j = 0; j < k; j++) {
+        const uint16_t *h = (const uint16_t *)a.p + (r + j) * a.ld;
+        float *f = (float *)s + j * n;
+        for (ptrdiff_t i = have_f16c() ? f16c_in(h, f, n) : 0; i < n; i++)
+            f[i] = half_to_float(h[i]);
+    }
+    return s;
+}
+
+/* Rows r, r + 1 of output a, made in the scratch rows s: rounded to float16 (half), or
+ * streamed. */
+static void FN(rows_write)(void *a, int half, ptrdiff_t r, int k, ptrdiff_t n, const T *s)
+{
+    const float *f = (const float *)s;
+    uint16_t *h = (uint16_t *)a + r * n;
+    if (!half)
+        stream_copy((T *)a + r * n, s, k * n, sizeof(T));
+    else
+        for (ptrdiff_t i = have_f16c() ? f16c_out(f, h, k * n) : 0; i < k * n; i++)
+            h[i] = float_to_half(f[i]);
+}
+
+/* The forward of rows x or, with a residual, of h = residual + x (the fused residual add: h
+ * written, then normalised while it is in cache), a pair of rows at a time (rows_at); rms selects
+ * RMSNorm (bias and mean unused). y has the type of x, h that of the residual. An output of
+ * float16, or a large one (streams), is made in scratch rows and then written. Float16 h is
+ * rounded before it is normalised. */
+static int FN(forward)(int rms, struct rows x, struct rows res, const T *weight, const T *bias,
+                       void *y, void *h, T *mean, T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
+{
+    int stream, half = x.half || res.half;
+    T *s = scratch(half, &stream, m, n, sizeof(T));
+    if (half && !s)
+        return 1;
+    for (ptrdiff_t r = 0, k, ld, ldr; r < m; r += k) {
         k = rows_at(r, m, n);
-        if (residual) {
-            hr = s ? s + 2 * n : h + r * n;
+        const T *in = FN(rows_read)(x, r, k, n, s, &ld);
+        T *yr = x.half || stream ? s + 6 * n : (T *)y + r * n;
+        if (res.p) {
+            const T *rr = FN(rows_read)(res, r, k, n, s + 2 * n, &ldr);
+            T *hr = res.half || stream ? s + 4 * n : (T *)h + r * n;
             for (ptrdiff_t j = 0; j < k; j++)
                 for (ptrdiff_t i = 0; i < n; i++)
-                    hr[j * n + i] = residual[(r + j) * ldr + i] + x[(r + j) * ldx + i];
+                    hr[j * n + i] = rr[j * ldr + i] + in[j * ld + i];
+            if (res.half || stream)
+                FN(rows_write)(h, res.half, r, k, n, hr);
+            if (res.half)
+                FN(rows_read)(ROWS(h, n, 1), r, k, n, hr, &ld);
             in = hr;
             ld = n;
         }
@@ -197,39 +235,48 @@ static int FN(forward)(int rms, const T *x, ptrdiff_t ldx, const T *residual, pt
         else
             FN(layer_norm_forward_rows)(k, in, ld, weight, bias, yr, n, mean + r, rstd + r, n,
                                         eps);
-        if (s)
-            stream_copy(y + r * n, yr, k * n, sizeof(T));
-        if (s && residual)
-            stream_copy(h + r * n, hr, k * n, sizeof(T));
+        if (x.half || stream)
+            FN(rows_write)(y, x.half, r, k, n, yr);
     }
-    stream_end(s);
+    stream_end(s, stream);
     return 0;
 }
 
-/* The backward of rows x (h of the fused add), with dsum = dx + dh when dh is given. */
-static int FN(backward)(int rms, const T *dy, ptrdiff_t lddy, const T *dh, ptrdiff_t lddh,
-                        const T *x, ptrdiff_t ldx, const T *mean, const T *rstd,
-                        const T *weight, T *dx, double *dweight_blocks, double *dbias_blocks,
-                        ptrdiff_t m, ptrdiff_t n)
+/* The backward of rows x (h of the fused add), with dsum = dx + dh when dh is given; dx has the
+ * type of x. A float16 dx is rounded before dh is added. */
+static int FN(backward)(int rms, struct rows dy, struct rows dh, struct rows x, const T *mean,
+                        const T *rstd, const T *weight, void *dx, double *dweight_blocks,
+                        double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)
 {
-    T *s = stream_scratch(m, n, sizeof(T), 2);
-    for (ptrdiff_t r = 0, k; r < m; r += k) {
+    int stream, half = dy.half || x.half;
+    T *s = scratch(half, &stream, m, n, sizeof(T));
+    if (half && !s)
+        return 1;
+    for (ptrdiff_t r = 0, k, lddy, ldx, ldh; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
-        T *d = s ? s : dx + r * n;
         k = rows_at(r, m, n);
+        const T *dyr = FN(rows_read)(dy, r, k, n, s, &lddy);
+        const T *xr = FN(rows_read)(x, r, k, n, s + 2 * n, &ldx);
+        T *d = x.half || stream ? s + 4 * n : (T *)dx + r * n;
         if (rms)
-            FN(rms_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, rstd + r,
-                                       weight, d, n, dweight_blocks + b, n);
+            FN(rms_norm_backward_rows)(k, dyr, lddy, xr, ldx, rstd + r, weight, d, n,
+                                       dweight_blocks + b, n);
         else
-            FN(layer_norm_backward_rows)(k, dy + r * lddy, lddy, x + r * ldx, ldx, mean + r,
-                                         rstd + r, weight, d, n, dweight_blocks + b,
-                                         dbias_blocks + b, n);
-        for (ptrdiff_t j = 0; dh && j < k; j++)
-            for (ptrdiff_t i = 0; i < n; i++)
-                d[j * n + i] = d[j * n + i] + dh[(r + j) * lddh + i];
-        if (s)
-            stream_copy(dx + r * n, d, k * n, sizeof(T));
+            FN(layer_norm_backward_rows)(k, dyr, lddy, xr, ldx, mean + r, rstd + r, weight, d,
+                                         n, dweight_blocks + b, dbias_blocks + b, n);
+        if (dh.p && x.half) {
+            FN(rows_write)(dx, 1, r, k, n, d);
+            FN(rows_read)(ROWS(dx, n, 1), r, k, n, d, &ldh);
+        }
+        if (dh.p) {
+            const T *dhr = FN(rows_read)(dh, r, k, n, s + 6 * n, &ldh);
+            for (ptrdiff_t j = 0; j < k; j++)
+                for (ptrdiff_t i = 0; i < n; i++)
+                    d[j * n + i] = d[j * n + i] + dhr[j * ldh + i];
+        }
+        if (x.half || stream)
+            FN(rows_write)(dx, x.half, r, k, n, d);
     }
-    stream_end(s);
+    stream_end(s, stream);
     return 0;
 }
