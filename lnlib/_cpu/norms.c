@@ -93,9 +93,10 @@ void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
 /* Non-temporal ("streaming") stores (SSE2: every x86-64): an output row made in a scratch row
  * that stays in cache is written to memory without the read for ownership of an ordinary
  * store, so a forward moves two arrays' worth of bytes, not three. Only for calls that write
- * at least STREAM_BYTES (more than the caches hold, so the output would not stay there) in
- * rows of at most STREAM_ROW_MAX elements (the scratch row stays in L1 or L2). The values are
- * the same either way; norms_set_streaming switches it for the benchmark. */
+ * at least STREAM_BYTES (a smaller output may still be in cache when it is next read, and
+ * ordinary stores keep it there) in rows of at most STREAM_ROW_MAX elements (the scratch row
+ * stays in L1 or L2). The values are the same either way; norms_set_streaming switches it for
+ * the benchmark. */
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
