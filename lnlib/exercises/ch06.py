@@ -15,7 +15,7 @@ checker                             the reader writes
                                     residual block conditioned through adaLN-Zero
 :func:`check_td_targets`            ``fn(rewards, q_next, dones, gamma) -> targets``
 :func:`check_outlier_features`      ``fn(x, factor=6.0) -> indices`` of outlier features
-:func:`check_fold_norm_gain`        ``fn(weight, W) -> W2``: a norm's gain folded into the
+:func:`check_fold_norm_gain`        ``fn(weight, W) -> W_folded``: a norm's gain folded into the
                                     linear layer that follows it
 ==================================  ===================================================
 
@@ -112,6 +112,8 @@ def check_residual_block(fn: Callable[..., Any]) -> CheckResult:
         Case(
             "Post-LN on a large residual stream (it must come out normalized)", (big, f16, "post")
         ),
+        Case("Post-LN with eps = 0.5 passed as a keyword", (x8, f8, "post"), {"eps": 0.5}),
+        Case("Pre-LN with eps = 0.5 passed as a keyword", (x8, f8, "pre"), {"eps": 0.5}),
         Case("Peri-LN with eps = 0.5 passed as a keyword", (x8, f8, "peri"), {"eps": 0.5}),
         Case("an unknown placement", (x8, f8, "middle"), raises=ValueError),
     ]
@@ -295,12 +297,12 @@ def _ref_fold_norm_gain(weight, W):
 
 
 def check_fold_norm_gain(fn: Callable[..., Any]) -> CheckResult:
-    """Check ``fn(weight, W) -> W2``: fold a norm's gain into the next linear layer.
+    """Check ``fn(weight, W) -> W_folded``: fold a norm's gain into the next linear layer.
 
     The norm's output ``x_hat * weight`` (``weight`` of shape (D,)) feeds a linear layer
-    ``y @ W`` with ``W`` of shape (D, D_out), as in glassllm. The answer ``W2`` (D, D_out) makes
-    ``x_hat @ W2`` equal to ``(x_hat * weight) @ W`` for every ``x_hat``, so that the norm can
-    run without a gain. The inputs must not be changed.
+    ``y @ W`` with ``W`` of shape (D, D_out), as in glassllm. The answer ``W_folded``
+    (D, D_out) makes ``x_hat @ W_folded`` equal to ``(x_hat * weight) @ W`` for every
+    ``x_hat``, so that the norm can run without a gain. The inputs must not be changed.
     """
     rng = _rng()
     cases = [

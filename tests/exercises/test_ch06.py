@@ -76,7 +76,15 @@ def test_swapped_placements_fail():
         return residual_block(x, f, other, eps)
 
     result = ch06.check_residual_block(swapped)
-    assert [f.index for f in result.failures] == [1, 2, 4, 5]
+    assert [f.index for f in result.failures] == [1, 2, 4, 5, 6, 7]
+
+
+def test_eps_ignored_in_post_and_pre_fails():
+    def default_eps(x, f, placement, eps=1e-5):
+        return residual_block(x, f, placement, eps if placement == "peri" else 1e-5)
+
+    result = ch06.check_residual_block(default_eps)
+    assert [f.index for f in result.failures] == [6, 7]
 
 
 def test_missing_error_for_unknown_placement_is_caught():
@@ -84,7 +92,7 @@ def test_missing_error_for_unknown_placement_is_caught():
         return residual_block(x, f, placement if placement in ch06.PLACEMENTS else "pre", eps)
 
     result = ch06.check_residual_block(lenient)
-    assert [f.index for f in result.failures] == [7]
+    assert [f.index for f in result.failures] == [9]
     assert "raise ValueError" in result.failures[0].reason
 
 
