@@ -24,7 +24,7 @@ parallel merge of Chan, Golub and LeVeque (1983), exact in real arithmetic,
     M_2 = M_{2,a} + M_{2,b} + \delta^2\,\frac{n_a n_b}{n},
 
 applied in rank order, so the row variance is ``M2 / D``. Nothing like
-``E[x^2] - E[x]^2`` is formed, so there is no catastrophic cancellation; but
+``mean(x^2) - mean(x)^2`` is formed, so there is no catastrophic cancellation; but
 in floating point the merge is less accurate than a two-pass variance over the
 whole row when the mean is large against the spread: the difference of two
 rounded means, ``delta``, carries an error of the order of the rounding of the

@@ -84,8 +84,8 @@ def layer_norm_forward(
         \sigma^2 = \frac{1}{D}\sum_{i=1}^{D} (x_i - \mu)^2, \qquad
         y_i = \frac{x_i - \mu}{\sqrt{\sigma^2 + \epsilon}}\,\gamma_i + \beta_i .
 
-    The variance is computed in two passes (never as :math:`E[x^2] - E[x]^2`), so rows with a
-    large mean and a small spread keep full accuracy.
+    The variance is computed in two passes (never as :math:`\overline{x^2} - \mu^2`), so
+    rows with a large mean and a small spread keep full accuracy.
 
     Parameters
     ----------

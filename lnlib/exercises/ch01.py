@@ -268,7 +268,8 @@ def check_masked_step_stats(fn: Callable[..., Any]) -> CheckResult:
     ``a`` has shape (N, T, D): the summed inputs of the D units of a recurrent layer for N
     sequences, padded to length T; ``lengths`` (N,) holds integers with
     ``1 <= lengths[i] <= T`` and ``max(lengths) == T``. At step ``t`` only the sequences with
-    ``lengths[i] > t`` count. ``mean`` and ``var`` (biased) have shape (T, D).
+    ``lengths[i] > t`` count. ``mean`` and ``var`` (biased) have shape (T, D). One case (mean
+    1e8, spread 1) rejects the one-pass variance.
     """
     rng = _rng()
 
@@ -289,6 +290,12 @@ def check_masked_step_stats(fn: Callable[..., Any]) -> CheckResult:
             padded([8, 2, 3], 3, np.nan),
         ),
         Case("a single sequence", padded([4], 2)),
+        Case(
+            "values with mean 1e8 and spread 1, where mean(x*x) - mean(x)**2 cancels",
+            tuple(np.asarray(v) + off for v, off in zip(padded([3, 5, 4], 3), (1e8, 0))),
+            rtol=1e-6,
+            atol=1e-6,
+        ),
     ]
     return check(
         fn, _ref_masked_step_stats, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "masked_step_stats")

@@ -119,7 +119,7 @@ def check_jacobian(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x, eps=1e-5) -> J``, the (D, D) Jacobian of xhat with respect to x.
 
     ``x`` is one vector of shape (D,); ``J[i, j]`` is the derivative of ``xhat[i]`` with
-    respect to ``x[j]``.
+    respect to ``x[j]``. One case (mean 1e7, spread 1) rejects the one-pass variance.
     """
     rng = _rng()
     cases = [
@@ -128,6 +128,11 @@ def check_jacobian(fn: Callable[..., Any]) -> CheckResult:
         Case("a vector with a large mean and spread 10", (50 + 10 * rng.normal(size=5),)),
         Case("eps = 1.0 passed as a keyword", (rng.normal(size=4),), {"eps": 1.0}),
         Case("a constant vector", (np.full(3, 2.0),)),
+        # mean(x*x) - mean(x)**2 errs by about u (mu/sigma)^2 = 1e-2 here; two passes by 1e-9.
+        Case(
+            "a very large mean: 1e7 + N(0, 1), where mean(x*x) - mean(x)**2 cancels",
+            (1e7 + rng.normal(size=32),),
+        ),
     ]
     return check(
         fn, _ref_jacobian, cases, rtol=1e-6, atol=1e-9, name=getattr(fn, "__name__", "jacobian")
@@ -147,7 +152,8 @@ def check_dgamma(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(dy, x, eps=1e-5) -> (dweight, dbias)``, the gradients of gamma and beta.
 
     ``dy`` has the shape of ``x``; both results have shape (D,): every leading axis of ``x``
-    (batch, time, ...) is summed over.
+    (batch, time, ...) is summed over. One case (mean 1e6, spread 1) rejects the one-pass
+    variance.
     """
     rng = _rng()
     cases = [
@@ -162,6 +168,10 @@ def check_dgamma(fn: Callable[..., Any]) -> CheckResult:
             "eps = 0.1 passed as a keyword",
             (rng.normal(size=(3, 4)), rng.normal(size=(3, 4))),
             {"eps": 0.1},
+        ),
+        Case(
+            "a very large mean: 1e6 + N(0, 1), where mean(x*x) - mean(x)**2 cancels",
+            (rng.normal(size=(3, 32)), 1e6 + rng.normal(size=(3, 32))),
         ),
     ]
     return check(
@@ -181,8 +191,8 @@ def check_backward(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(dy, x, weight, eps=1e-5) -> dx``, the gradient of LayerNorm with respect to x.
 
     Cases include a constant row (where only eps keeps the gradient finite), a single
-    feature (whose gradient is zero), ``dy`` constant along the row (also a zero gradient) and
-    three dimensions.
+    feature (whose gradient is zero), ``dy`` constant along the row (also a zero gradient),
+    three dimensions and a mean of 1e6 with spread 1 (which rejects the one-pass variance).
     """
     rng = _rng()
     cases = [
@@ -212,6 +222,10 @@ def check_backward(fn: Callable[..., Any]) -> CheckResult:
             "eps = 0.5 passed as a keyword",
             (rng.normal(size=(2, 5)), rng.normal(size=(2, 5)), np.ones(5)),
             {"eps": 0.5},
+        ),
+        Case(
+            "a very large mean: 1e6 + N(0, 1), where mean(x*x) - mean(x)**2 cancels",
+            (rng.normal(size=(3, 32)), 1e6 + rng.normal(size=(3, 32)), rng.normal(size=32)),
         ),
     ]
     return check(

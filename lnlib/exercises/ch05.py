@@ -112,7 +112,7 @@ def check_welford(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x) -> (mean, var)``: mean and biased variance over the last axis of a
     float64 array, computed in one pass (Welford's update), as float64 arrays of shape
     ``x.shape[:-1]``. The cases include a mean of 1e8 with a spread of 1, where
-    ``E[x^2] - E[x]^2`` loses every digit.
+    ``mean(x^2) - mean(x)^2`` loses every digit.
     """
     rng = _rng()
     cases = [
