@@ -221,13 +221,15 @@ def test_float16_kernel_reports_a_failed_allocation(kernel):
     lib, ffi = cpu_kernel._state["module"].lib, cpu_kernel._state["module"].ffi
     huge = 1 << 60  # scratch rows of this length cannot be allocated; no row is touched (m=0)
     null = ffi.NULL
-    assert lib.layer_norm_forward_f16(null, huge, null, null, null, null, null, 0, huge, 1e-5)
-    assert lib.rms_norm_forward_f16(null, huge, null, null, null, 0, huge, 1e-5)
-    assert lib.layer_norm_backward_f16(
-        null, huge, null, huge, null, null, null, null, null, null, 0, huge
+    for rms in (0, 1):
+        args = (null, 0, null, null, null, null, null, null, 0, huge, 1e-5)
+        assert lib.norms_forward_f16(rms, null, huge, *args)
+        args = (null, null, null, null, null, null, 0, huge)
+        assert lib.norms_backward_f16(rms, null, huge, null, 0, null, huge, *args)
+    assert (
+        lib.norms_forward_f16(1, null, 1, null, 0, null, null, null, null, null, null, 0, 1, 1e-5)
+        == 0
     )
-    assert lib.rms_norm_backward_f16(null, huge, null, huge, null, null, null, null, 0, huge)
-    assert lib.rms_norm_forward_f16(null, 1, null, null, null, 0, 1, 1e-5) == 0
     with pytest.raises(MemoryError, match="scratch"):
         cpu_kernel._ok(1)
 
@@ -241,16 +243,31 @@ def test_binding_rejects_wrong_dtypes_and_argument_counts(kernel):
         return ffi.from_buffer(("float" if a.dtype == np.float32 else "double") + "[]", a)
 
     ones, zeros = p(np.ones(4, np.float32)), p(np.zeros(4, np.float32))
-    lib.layer_norm_forward_f32(p(x), 4, ones, zeros, p(y), p(mean), p(rstd), 2, 4, 1e-5)
+    null = ffi.NULL
+    fwd = lib.norms_forward_f32
+    fwd(0, p(x), 4, null, 0, ones, zeros, p(y), null, p(mean), p(rstd), 2, 4, 1e-5)
     np.testing.assert_allclose(y, 0)
     with pytest.raises(TypeError):  # a float64 array where float * is declared
-        lib.layer_norm_forward_f32(
-            p(x), 4, ones, zeros, p(y), p(mean.astype(np.float64)), p(rstd), 2, 4, 1e-5
+        fwd(
+            0,
+            p(x),
+            4,
+            null,
+            0,
+            ones,
+            zeros,
+            p(y),
+            null,
+            p(mean.astype(np.float64)),
+            p(rstd),
+            2,
+            4,
+            1e-5,
         )
     with pytest.raises(TypeError):  # eps forgotten
-        lib.layer_norm_forward_f32(p(x), 4, ones, zeros, p(y), p(mean), p(rstd), 2, 4)
+        fwd(0, p(x), 4, null, 0, ones, zeros, p(y), null, p(mean), p(rstd), 2, 4)
     with pytest.raises(TypeError):  # a length where a pointer is declared
-        lib.layer_norm_forward_f32(p(x), 4, 4, zeros, p(y), p(mean), p(rstd), 2, 4, 1e-5)
+        fwd(0, p(x), 4, null, 0, 4, zeros, p(y), null, p(mean), p(rstd), 2, 4, 1e-5)
 
 
 def test_read_only_input_is_accepted_and_never_written(kernel, rng):
@@ -375,10 +392,13 @@ def test_passes_match_the_c_source(op):
         assert used == set(want["reads"]) | written, (op, text)
 
 
-def test_passes_cover_every_kernel_in_the_header():
+def test_passes_cover_every_row_function():
+    """PASSES has one entry per row function of norms_rows.h (what norms_forward_* and
+    norms_backward_* run on each row), and the header exports those two per dtype mix."""
+    rows = (KERNEL_DIR / "norms_rows.h").read_text()
+    assert set(re.findall(r"static void FN\((\w+)_rows\)", rows)) == set(cpu_kernel.PASSES)
     header = (KERNEL_DIR / "norms.h").read_text()
-    declared = set(re.findall(r"void (\w+)_f32\(", header))
-    assert declared == set(cpu_kernel.PASSES)
+    assert set(re.findall(r"int (norms_\w+)\(int rms", header)) == set(cpu_kernel._FUNCTIONS)
 
 
 # --- Every vector width gives the same bits -------------------------------------------------
@@ -448,19 +468,18 @@ def _run_variant(ffi, lib, x, w, b, dy):
     p = {k: ffi.from_buffer(_CTYPE_OF[v.dtype.type] + "[]", v) for k, v in out.items()}
     px, pdy = (ffi.from_buffer(ctype + "[]", a) for a in (x, dy))
     pw, pb = (ffi.from_buffer(_CTYPE_OF[acc] + "[]", a.astype(acc)) for a in (w, b))
+    fwd, bwd, null = (
+        getattr(lib, f"norms_forward_{suffix}"),
+        getattr(lib, f"norms_backward_{suffix}"),
+        ffi.NULL,
+    )
     status = [
-        getattr(lib, f"layer_norm_forward_{suffix}")(
-            px, n, pw, pb, p["y"], p["mean"], p["rstd"], m, n, 1e-5
-        ),
-        getattr(lib, f"layer_norm_backward_{suffix}")(
-            pdy, n, px, n, p["mean"], p["rstd"], pw, p["dx"], p["dw"], p["db"], m, n
-        ),
-        getattr(lib, f"rms_norm_forward_{suffix}")(px, n, pw, p["ry"], p["rrstd"], m, n, 1e-5),
-        getattr(lib, f"rms_norm_backward_{suffix}")(
-            pdy, n, px, n, p["rrstd"], pw, p["rdx"], p["rdw"], m, n
-        ),
+        fwd(0, px, n, null, 0, pw, pb, p["y"], null, p["mean"], p["rstd"], m, n, 1e-5),
+        bwd(0, pdy, n, null, 0, px, n, p["mean"], p["rstd"], pw, p["dx"], p["dw"], p["db"], m, n),
+        fwd(1, px, n, null, 0, pw, null, p["ry"], null, null, p["rrstd"], m, n, 1e-5),
+        bwd(1, pdy, n, null, 0, px, n, null, p["rrstd"], pw, p["rdx"], p["rdw"], null, m, n),
     ]
-    assert not any(status)  # the float16 kernels return 0 (the others nothing)
+    assert not any(status)
     return out
 
 

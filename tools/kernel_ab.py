@@ -72,6 +72,55 @@ def build(rev, flags, where):
     return out
 
 
+class PerOp:
+    """The per-op functions of the kernels before the two-function interface
+    (``layer_norm_forward_f32``, ``add_rms_norm_backward_f16f32``, ...) over a kernel that exports
+    ``norms_forward_*`` and ``norms_backward_*`` (a flag ``rms``; a residual, dh, bias or mean
+    that may be NULL), so that revisions on both sides of the change are called alike."""
+
+    def __init__(self, ffi, lib):
+        self._lib, z = lib, ffi.NULL
+        for s in ("f16", "f32", "f64", "f16f32"):
+            f, g = getattr(lib, f"norms_forward_{s}"), getattr(lib, f"norms_backward_{s}")
+            ops = {
+                "add_layer_norm_forward": lambda *a, f=f: f(0, *a),
+                "add_rms_norm_forward": lambda x, lx, r, lr, w, y, h, rs, m, n, e, f=f: f(
+                    1, x, lx, r, lr, w, z, y, h, z, rs, m, n, e
+                ),
+                "add_layer_norm_backward": lambda *a, g=g: g(0, *a),
+                "add_rms_norm_backward": lambda dy, ly, dh, lh, h, ld, rs, w, d, dw, m, n, g=g: g(
+                    1, dy, ly, dh, lh, h, ld, z, rs, w, d, dw, z, m, n
+                ),
+                "layer_norm_forward": lambda x, lx, w, b, y, mu, rs, m, n, e, f=f: f(
+                    0, x, lx, z, 0, w, b, y, z, mu, rs, m, n, e
+                ),
+                "rms_norm_forward": lambda x, lx, w, y, rs, m, n, e, f=f: f(
+                    1, x, lx, z, 0, w, z, y, z, z, rs, m, n, e
+                ),
+                "layer_norm_backward": lambda dy, ly, x, lx, mu, rs, w, d, dw, db, m, n, g=g: g(
+                    0, dy, ly, z, 0, x, lx, mu, rs, w, d, dw, db, m, n
+                ),
+                "rms_norm_backward": lambda dy, ly, x, lx, rs, w, d, dw, m, n, g=g: g(
+                    1, dy, ly, z, 0, x, lx, z, rs, w, d, dw, z, m, n
+                ),
+            }
+            for op, fn in ops.items():
+                setattr(self, f"{op}_{s}", fn)
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+def load(path):
+    """The kernel built at ``path`` (by :func:`build`), declared from its own ``norms.h``:
+    ``(ffi, lib)``, with ``lib`` a :class:`PerOp` over a kernel of the two-function interface."""
+    ffi = FFI()
+    header = path.parent / "norms.h"
+    ffi.cdef(_builder().declarations(header))
+    lib = ffi.dlopen(str(path))
+    return ffi, PerOp(ffi, lib) if "norms_forward_f32" in header.read_text() else lib
+
+
 def calls(ffi, lib, m, n, dtype):
     """The four kernels of ``lib`` as argument-free callables on fixed (m, n) rows."""
     rng = np.random.default_rng(0)
@@ -87,6 +136,15 @@ def calls(ffi, lib, m, n, dtype):
 
     px, pdy, pw, pb, py, pdx, pm, pr = map(p, (x, dy, w, b, y, dx, mean, rstd))
     pdw, pdb = p(blocks[0]), p(blocks[1])
+    if isinstance(lib, PerOp):  # the two-function interface, called directly (no extra call)
+        z = ffi.NULL
+        f, g = getattr(lib, f"norms_forward_{sfx}"), getattr(lib, f"norms_backward_{sfx}")
+        return keep, {
+            "ln_fwd": lambda: f(0, px, n, z, 0, pw, pb, py, z, pm, pr, m, n, 1e-5),
+            "rms_fwd": lambda: f(1, px, n, z, 0, pw, z, py, z, z, pr, m, n, 1e-5),
+            "ln_bwd": lambda: g(0, pdy, n, z, 0, px, n, pm, pr, pw, pdx, pdw, pdb, m, n),
+            "rms_bwd": lambda: g(1, pdy, n, z, 0, px, n, z, pr, pw, pdx, pdw, z, m, n),
+        }
     f = {k: getattr(lib, f"{k}_{sfx}") for k in ("layer_norm_forward", "rms_norm_forward")}
     g = {k: getattr(lib, f"{k}_{sfx}") for k in ("layer_norm_backward", "rms_norm_backward")}
     return keep, {
@@ -116,15 +174,13 @@ def main(argv=None):
     parser.add_argument("--shapes", default="256x256,64x1024,32x768,8x4096")
     parser.add_argument("--reps", type=int, default=2000)
     args = parser.parse_args(argv)
-    ffi = FFI()
-    ffi.cdef(_builder().declarations(ROOT / KERNELS / "norms.h"))
     with tempfile.TemporaryDirectory() as tmp:
-        libs = [ffi.dlopen(str(build(r, args.flags.split(), Path(tmp)))) for r in (args.a, args.b)]
+        libs = [load(build(r, args.flags.split(), Path(tmp))) for r in (args.a, args.b)]
         print(f"A = {args.a}, B = {args.b}, flags {args.flags or '(none)'}; ns per element")
         for dtype in (np.float32, np.float64):
             for shape in args.shapes.split(","):
                 m, n = map(int, shape.split("x"))
-                (ka, fa), (kb, fb) = (calls(ffi, lib, m, n, dtype) for lib in libs)
+                (ka, fa), (kb, fb) = (calls(ffi, lib, m, n, dtype) for ffi, lib in libs)
                 cells = []
                 for op in fa:
                     ta, tb = best_times(fa[op], fb[op], args.reps)

@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from cffi import FFI
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("kernel_ab", ROOT / "tools" / "kernel_ab.py")
@@ -210,11 +209,9 @@ def main(argv=None):
     parser.add_argument("b")
     parser.add_argument("--flags", default="", help="extra compiler flags for both builds")
     args = parser.parse_args(argv)
-    ffi = FFI()
-    ffi.cdef(kernel_ab._builder().declarations(ROOT / kernel_ab.KERNELS / "norms.h"))
     with tempfile.TemporaryDirectory() as tmp:
         ka, kb = (
-            Kernel(ffi, ffi.dlopen(str(kernel_ab.build(r, args.flags.split(), Path(tmp)))))
+            Kernel(*kernel_ab.load(kernel_ab.build(r, args.flags.split(), Path(tmp))))
             for r in (args.a, args.b)
         )
         total, diffs, where = compare(ka, kb)

@@ -123,7 +123,12 @@ _CDECL = {dtype: f"{ctype}[]" for dtype, (ctype, _) in _CTYPES.items()}
 #: The dtype of mean, rstd, weight, bias and the parameter gradients, by the dtype of x.
 _ACC = {dtype: np.dtype(np.float64 if dtype == np.float64 else np.float32) for dtype in _CTYPES}
 _FILLED = {}  # read-only ones and zeros for absent parameters, by (D, dtype, value)
-_FUNCTIONS = [f"{op}_{suffix}" for op in PASSES for suffix in ("f16", "f32", "f64")]
+#: The exported kernels (norms.h): one forward and one backward per dtype mix.
+_FUNCTIONS = [
+    f"norms_{direction}_{suffix}"
+    for direction in ("forward", "backward")
+    for suffix in ("f16", "f32", "f64", "f16f32")
+]
 _DIGEST_FILE = "_norms.sha256"  # beside the module: its sha256, written by the build
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _lock = threading.Lock()
@@ -152,7 +157,6 @@ def _load():
     missing = [
         f
         for f in _FUNCTIONS
-        + _FUSED_FUNCTIONS
         + [
             "sum_blocks_pairwise",
             "norms_kernel_version",
@@ -307,11 +311,17 @@ def ordinary_stores():
         lib.norms_set_streaming(before)
 
 
-def _c_function(op, dtype):
+def _c_function(direction, suffix):
+    """``norms_forward_<suffix>`` or ``norms_backward_<suffix>`` of the loaded module."""
     module = _module()
     if module is None:
         raise RuntimeError(f"lnlib: the compiled CPU kernel is not available: {_state['reason']}")
-    return getattr(module.lib, f"{op}_{_CTYPES[np.dtype(dtype)][1]}")
+    return getattr(module.lib, f"norms_{direction}_{suffix}")
+
+
+def _at(p, offset):
+    """``p + offset``, or NULL for NULL (an absent residual, dh, mean or bias)."""
+    return p if p == _state["module"].ffi.NULL else p + offset
 
 
 def _pointer(a, writable=False):
@@ -402,8 +412,8 @@ def _threads(threads, nbytes):
 
 
 def _ok(status):
-    """Check a kernel's return: the float16 kernels return 1 when their scratch rows cannot be
-    allocated (the float32 and float64 ones return nothing)."""
+    """Check a kernel's return: 1 when the scratch rows a float16 call needs could not be
+    allocated (a call that only streams its output runs without them)."""
     if status:
         raise MemoryError("lnlib: the float16 kernel could not allocate its scratch rows")
 
@@ -455,37 +465,8 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, threads=None, out=None):
     y : ndarray (M, D), dtype of ``x``
     mean, rstd : ndarray (M,), the accumulation dtype
     """
-    m, n = x.shape
-    fn = _c_function("layer_norm_forward", x.dtype)
-    x, acc = _rows(x, x.dtype), _ACC[x.dtype]
-    weight, bias = _vector(weight, n, acc, 1), _vector(bias, n, acc, 0)
-    y = out_array(out, 0, (m, n), x.dtype)  # (M, D)
-    # mean and rstd in buffers of their own: a caller that keeps only rstd (the backward from
-    # the output) must not keep mean alive with it
-    mean, rstd = out_array(out, 1, m, acc), out_array(out, 2, m, acc)  # (M,), (M,)
-    p_x, p_w, p_b = _pointer(x), _pointer(weight), _pointer(bias)
-    p_y, p_mean = _pointer(y, writable=True), _pointer(mean, writable=True)
-    p_rstd = _pointer(rstd, writable=True)
-    ld = _ld(x)
-
-    def chunk(start, stop, _block_rows):
-        _ok(
-            fn(
-                p_x + start * ld,
-                ld,
-                p_w,
-                p_b,
-                p_y + start * n,
-                p_mean + start,
-                p_rstd + start,
-                stop - start,
-                n,
-                eps,
-            )
-        )
-
-    run_chunks(m, n, chunk, block_rows=1, threads=_threads(threads, x.nbytes))
-    return y, mean, rstd
+    suffix = _CTYPES[x.dtype][1]
+    return _forward(False, suffix, x, None, (weight, bias), eps, x.dtype, out, threads)
 
 
 def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=None):
@@ -518,40 +499,8 @@ def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, threads=None, out=Non
             dy, _as_f32(x), mean, rstd, weight, threads=threads
         )
         return written(out, (_half_dx(dx, out), dweight, dbias))
-    m, n = x.shape
-    fn = _c_function("layer_norm_backward", x.dtype)
-    x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]
-    mean, rstd = (np.ascontiguousarray(a, dtype=acc) for a in (mean, rstd))  # (M,)
-    weight = _vector(weight, n, acc, 1)
-    dx = out_array(out, 0, (m, n), x.dtype)  # (M, D)
-    blocks = _column_blocks(m, n, 2)  # (2, blocks, D) float64: dweight's, then dbias's
-    p_dy, p_x, p_mean, p_rstd, p_w = (_pointer(a) for a in (dy, x, mean, rstd, weight))
-    p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)
-    p_db = p_dw + blocks.shape[1] * n
-    ld_dy, ld_x = _ld(dy), _ld(x)
-
-    def chunk(start, stop, _block_rows):
-        b = _block_of(start)
-        _ok(
-            fn(
-                p_dy + start * ld_dy,
-                ld_dy,
-                p_x + start * ld_x,
-                ld_x,
-                p_mean + start,
-                p_rstd + start,
-                p_w,
-                p_dx + start * n,
-                p_dw + b * n,
-                p_db + b * n,
-                stop - start,
-                n,
-            )
-        )
-
-    rows = _state["module"].lib.NORMS_BLOCK_ROWS
-    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, x.nbytes + dy.nbytes))
-    return written(out, (dx, *_column_totals(blocks, p_dw, acc)))
+    suffix = _CTYPES[x.dtype][1]
+    return _backward(False, suffix, _rows(dy, x.dtype), None, x, (mean, rstd), weight, out, threads)
 
 
 def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
@@ -575,20 +524,8 @@ def rms_norm_forward_rows(x, weight, eps, *, threads=None, out=None):
     y : ndarray (M, D), dtype of ``x``
     rstd : ndarray (M,), the accumulation dtype
     """
-    m, n = x.shape
-    fn = _c_function("rms_norm_forward", x.dtype)
-    x, acc = _rows(x, x.dtype), _ACC[x.dtype]
-    weight = _vector(weight, n, acc, 1)
-    y, rstd = out_array(out, 0, (m, n), x.dtype), out_array(out, 1, m, acc)  # (M, D), (M,)
-    p_x, p_w = _pointer(x), _pointer(weight)
-    p_y, p_rstd = _pointer(y, writable=True), _pointer(rstd, writable=True)
-    ld = _ld(x)
-
-    def chunk(start, stop, _block_rows):
-        _ok(fn(p_x + start * ld, ld, p_w, p_y + start * n, p_rstd + start, stop - start, n, eps))
-
-    run_chunks(m, n, chunk, block_rows=1, threads=_threads(threads, x.nbytes))
-    return y, rstd
+    suffix = _CTYPES[x.dtype][1]
+    return _forward(True, suffix, x, None, (weight,), eps, x.dtype, out, threads)
 
 
 def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
@@ -616,37 +553,8 @@ def rms_norm_backward_rows(dy, x, rstd, weight, *, threads=None, out=None):
     if _wider_dy(x, dy):
         dx, dweight = rms_norm_backward_rows(dy, _as_f32(x), rstd, weight, threads=threads)
         return written(out, (_half_dx(dx, out), dweight))
-    m, n = x.shape
-    fn = _c_function("rms_norm_backward", x.dtype)
-    x, dy, acc = _rows(x, x.dtype), _rows(dy, x.dtype), _ACC[x.dtype]
-    rstd = np.ascontiguousarray(rstd, dtype=acc)  # (M,)
-    weight = _vector(weight, n, acc, 1)
-    dx = out_array(out, 0, (m, n), x.dtype)  # (M, D)
-    blocks = _column_blocks(m, n)  # (1, blocks, D) float64
-    p_dy, p_x, p_rstd, p_w = (_pointer(a) for a in (dy, x, rstd, weight))
-    p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)
-    ld_dy, ld_x = _ld(dy), _ld(x)
-
-    def chunk(start, stop, _block_rows):
-        b = _block_of(start)
-        _ok(
-            fn(
-                p_dy + start * ld_dy,
-                ld_dy,
-                p_x + start * ld_x,
-                ld_x,
-                p_rstd + start,
-                p_w,
-                p_dx + start * n,
-                p_dw + b * n,
-                stop - start,
-                n,
-            )
-        )
-
-    rows = _state["module"].lib.NORMS_BLOCK_ROWS
-    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, x.nbytes + dy.nbytes))
-    return written(out, (dx, _column_totals(blocks, p_dw, acc)[0]))
+    suffix = _CTYPES[x.dtype][1]
+    return _backward(True, suffix, _rows(dy, x.dtype), None, x, (rstd,), weight, out, threads)
 
 
 # The fused residual add (the row contract in lnlib._rows): one C pass per chunk of rows (norms.h,
@@ -673,101 +581,126 @@ _FUSED_BACKWARD = {
     (_F16, _F16): "f16",
     (_F16, _F32): "f16f32",
 }
-_FUSED_FUNCTIONS = [
-    f"add_{op}_{suffix}" for op in PASSES for suffix in ("f16", "f32", "f64", "f16f32")
-]
 
 
-def _fused_forward(rms, x, residual, params, eps, h_dtype, out):
-    """The C pass of the fused forward: ``y, h, mean, rstd`` (``y, h, rstd`` for rms)."""
-    nstats = 1 if rms else 2
-    suffix = _FUSED_FORWARD.get((x.dtype, residual.dtype, np.dtype(h_dtype)))
-    if suffix is None:  # a rare mix: blocks from Python (see _FUSED_FORWARD)
-        norm = rms_norm_forward_rows if rms else layer_norm_forward_rows
-        return add_norm_forward_blocks(norm, x, residual, params, eps, h_dtype, nstats, out)
+def _forward(rms, suffix, x, residual, params, eps, h_dtype, out, threads=None):
+    """One C forward over chunks of rows: ``y, mean, rstd`` (``y, rstd`` for rms), or with a
+    residual (the fused add) ``y, h, mean, rstd``; ``suffix`` names the C function's dtypes."""
     m, n = x.shape
-    lib = _module().lib
-    fn = getattr(lib, f"add_{'rms' if rms else 'layer'}_norm_forward_{suffix}")
+    fn = _c_function("forward", suffix)
+    null = _state["module"].ffi.NULL
     acc = _ACC[np.dtype(h_dtype)]
-    x, residual = _rows(x, x.dtype), _rows(residual, residual.dtype)
-    y, h = out_array(out, 0, (m, n), x.dtype), out_array(out, 1, (m, n), h_dtype)
-    stats = [out_array(out, 2 + i, m, acc) for i in range(nstats)]
-    vectors = [_vector(params[0], n, acc, 1)] + ([] if rms else [_vector(params[1], n, acc, 0)])
-    p_x, p_r = _pointer(x), _pointer(residual)
-    p_params = [_pointer(v) for v in vectors]
-    p_y, p_h = _pointer(y, writable=True), _pointer(h, writable=True)
-    p_stats = [_pointer(s, writable=True) for s in stats]
-    ld_x, ld_r = _ld(x), _ld(residual)
+    x = _rows(x, x.dtype)
+    y = out_array(out, 0, (m, n), x.dtype)  # (M, D)
+    fused = residual is not None
+    h = out_array(out, 1, (m, n), h_dtype) if fused else None  # (M, D)
+    # mean and rstd in buffers of their own: a caller that keeps only rstd (the backward from
+    # the output) must not keep mean alive with it
+    stats = [out_array(out, fused + 1 + i, m, acc) for i in range(1 if rms else 2)]  # (M,) each
+    weight = _vector(params[0], n, acc, 1)
+    bias = None if rms else _vector(params[1], n, acc, 0)
+    p_w, p_b = _pointer(weight), null if rms else _pointer(bias)
+    p_x, p_y, p_rstd = _pointer(x), _pointer(y, writable=True), _pointer(stats[-1], writable=True)
+    p_mean = null if rms else _pointer(stats[0], writable=True)
+    p_r, ld_r, p_h, nbytes = null, 0, null, x.nbytes
+    if fused:
+        residual = _rows(residual, residual.dtype)
+        p_r, ld_r, p_h = _pointer(residual), _ld(residual), _pointer(h, writable=True)
+        nbytes += residual.nbytes
+    ld_x = _ld(x)
 
     def chunk(start, stop, _block_rows):
         _ok(
             fn(
+                rms,
                 p_x + start * ld_x,
                 ld_x,
-                p_r + start * ld_r,
+                _at(p_r, start * ld_r),
                 ld_r,
-                *p_params,
+                p_w,
+                p_b,
                 p_y + start * n,
-                p_h + start * n,
-                *[p + start for p in p_stats],
+                _at(p_h, start * n),
+                _at(p_mean, start),
+                p_rstd + start,
                 stop - start,
                 n,
                 eps,
             )
         )
 
-    rows = lib.NORMS_BLOCK_ROWS
-    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(None, x.nbytes + residual.nbytes))
-    return (y, h, *stats)
+    rows = _state["module"].lib.NORMS_BLOCK_ROWS if fused else 1
+    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, nbytes))
+    return (y, h, *stats) if fused else (y, *stats)
 
 
-def _fused_backward(rms, dy, dh, h, stats, weight, out):
-    """The C pass of the fused backward: ``dsum, dweight, dbias`` (``dsum, dweight`` for rms)."""
-    nparams = 1 if rms else 2
-    suffix = _FUSED_BACKWARD.get((dy.dtype, h.dtype))
-    if suffix is None or (dh is not None and dh.dtype != h.dtype):  # see _FUSED_BACKWARD
-        norm = rms_norm_backward_rows if rms else layer_norm_backward_rows
-        return add_norm_backward_blocks(norm, dy, dh, h, stats, weight, nparams, out)
-    m, n = h.shape
-    module = _module()
-    fn = getattr(module.lib, f"add_{'rms' if rms else 'layer'}_norm_backward_{suffix}")
-    acc = _ACC[h.dtype]
-    dy, h = _rows(dy, dy.dtype), _rows(h, h.dtype)
-    dh = None if dh is None else _rows(dh, h.dtype)
-    stats = [np.ascontiguousarray(s, dtype=acc) for s in stats]  # (M,)
+def _backward(rms, suffix, dy, dh, x, stats, weight, out, threads=None):
+    """One C backward over chunks of rows: ``dx, dweight, dbias`` (``dx, dweight`` for rms); with
+    ``dh`` (the fused add) dx + dh in place of dx. ``x`` is h for the fused add."""
+    m, n = x.shape
+    fn = _c_function("backward", suffix)
+    null = _state["module"].ffi.NULL
+    acc = _ACC[x.dtype]
+    dy, x = _rows(dy, dy.dtype), _rows(x, x.dtype)
+    dh = None if dh is None else _rows(dh, x.dtype)
+    stats = [np.ascontiguousarray(a, dtype=acc) for a in stats]  # (M,) each
     weight = _vector(weight, n, acc, 1)
-    dsum = out_array(out, 0, (m, n), h.dtype)  # (M, D)
-    blocks = _column_blocks(m, n, nparams)  # (k, blocks, D) float64
-    p_dy, p_h, p_w = _pointer(dy), _pointer(h), _pointer(weight)
-    p_dh, ld_dh = (module.ffi.NULL, 0) if dh is None else (_pointer(dh), _ld(dh))
-    p_stats = [_pointer(s) for s in stats]
-    p_dsum, p_dw = _pointer(dsum, writable=True), _pointer(blocks, writable=True)
-    p_grads = [p_dw + i * blocks.shape[1] * n for i in range(nparams)]
-    ld_dy, ld_h = _ld(dy), _ld(h)
+    dx = out_array(out, 0, (m, n), x.dtype)  # (M, D)
+    nparams = 1 if rms else 2
+    blocks = _column_blocks(m, n, nparams)  # (k, blocks, D) float64: dweight's, then dbias's
+    p_dy, p_x, p_w, p_rstd = _pointer(dy), _pointer(x), _pointer(weight), _pointer(stats[-1])
+    p_mean = null if rms else _pointer(stats[0])
+    p_dh, ld_dh = (null, 0) if dh is None else (_pointer(dh), _ld(dh))
+    p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)
+    p_db = null if rms else p_dw + blocks.shape[1] * n
+    ld_dy, ld_x = _ld(dy), _ld(x)
 
     def chunk(start, stop, _block_rows):
         b = _block_of(start)
         _ok(
             fn(
+                rms,
                 p_dy + start * ld_dy,
                 ld_dy,
-                p_dh if dh is None else p_dh + start * ld_dh,
+                _at(p_dh, start * ld_dh),
                 ld_dh,
-                p_h + start * ld_h,
-                ld_h,
-                *[p + start for p in p_stats],
+                p_x + start * ld_x,
+                ld_x,
+                _at(p_mean, start),
+                p_rstd + start,
                 p_w,
-                p_dsum + start * n,
-                *[p + b * n for p in p_grads],
+                p_dx + start * n,
+                p_dw + b * n,
+                _at(p_db, b * n),
                 stop - start,
                 n,
             )
         )
 
-    rows = module.lib.NORMS_BLOCK_ROWS
-    nbytes = dy.nbytes + h.nbytes + (0 if dh is None else dh.nbytes)
-    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(None, nbytes))
-    return written(out, (dsum, *_column_totals(blocks, p_dw, acc)))
+    rows = _state["module"].lib.NORMS_BLOCK_ROWS
+    nbytes = dy.nbytes + x.nbytes + (0 if dh is None else dh.nbytes)
+    run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, nbytes))
+    return written(out, (dx, *_column_totals(blocks, p_dw, acc)))
+
+
+def _fused_forward(rms, x, residual, params, eps, h_dtype, out):
+    """The C pass of the fused forward: ``y, h, mean, rstd`` (``y, h, rstd`` for rms)."""
+    suffix = _FUSED_FORWARD.get((x.dtype, residual.dtype, np.dtype(h_dtype)))
+    if suffix is None:  # a rare mix: blocks from Python (see _FUSED_FORWARD)
+        norm = rms_norm_forward_rows if rms else layer_norm_forward_rows
+        nstats = 1 if rms else 2
+        return add_norm_forward_blocks(norm, x, residual, params, eps, h_dtype, nstats, out)
+    return _forward(rms, suffix, x, residual, params, eps, h_dtype, out)
+
+
+def _fused_backward(rms, dy, dh, h, stats, weight, out):
+    """The C pass of the fused backward: ``dsum, dweight, dbias`` (``dsum, dweight`` for rms)."""
+    suffix = _FUSED_BACKWARD.get((dy.dtype, h.dtype))
+    if suffix is None or (dh is not None and dh.dtype != h.dtype):  # see _FUSED_BACKWARD
+        norm = rms_norm_backward_rows if rms else layer_norm_backward_rows
+        nparams = 1 if rms else 2
+        return add_norm_backward_blocks(norm, dy, dh, h, stats, weight, nparams, out)
+    return _backward(rms, suffix, dy, dh, h, stats, weight, out)
 
 
 def add_layer_norm_forward_rows(x, residual, weight, bias, eps, h_dtype, *, out=None):

@@ -321,76 +321,37 @@ void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
     rows_write_f32(h, 1, 0, 1, n, f);
 }
 
-/* The exported functions (norms.h): LayerNorm (rms 0) and RMSNorm (rms 1) of rows stored as TX
- * (float16 when HX), computed by the F (f32 or f64) functions; then the fused residual add, its
- * residual stream stored as TR (float16 when HR). */
-#define NORMS_EXPORTS(S, F, TX, TP, HX, RET, RETURN)                                           \
-    NORMS_KERNEL RET layer_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TP *weight,      \
-                                            const TP *bias, TX *y, TP *mean, TP *rstd,         \
-                                            ptrdiff_t m, ptrdiff_t n, double eps)              \
+/* The exported functions (norms.h): norms_forward_S and norms_backward_S for S = f32, f64,
+ * f16 and f16f32, computed by the F (f32 or f64) functions on rows stored as TX (float16 when
+ * HX), with the residual stream stored as TR (float16 when HR). Each case of rms, and of a
+ * residual (dh) or none, is a call of its own, so that it is compiled for its constants. */
+#define FORWARD(F, RMS, RES) forward_##F(RMS, xr, RES, weight, bias, y, h, mean, rstd, m, n, eps)
+#define BACKWARD(F, RMS, DH)                                                                   \
+    backward_##F(RMS, dyr, DH, xr, mean, rstd, weight, dx, dweight_blocks, dbias_blocks, m, n)
+#define NORMS_EXPORTS(S, F, TX, TR, TP, HX, HR)                                                \
+    NORMS_KERNEL int norms_forward_##S(int rms, const TX *x, ptrdiff_t ldx, const TR *residual, \
+                                       ptrdiff_t ldr, const TP *weight, const TP *bias, TX *y,  \
+                                       TR *h, TP *mean, TP *rstd, ptrdiff_t m, ptrdiff_t n,     \
+                                       double eps)                                             \
     {                                                                                          \
-        RETURN forward_##F(0, ROWS(x, ldx, HX), NONE, weight, bias, y, NULL, mean, rstd, m, n, \
-                           eps);                                                               \
+        struct rows xr = ROWS(x, ldx, HX), rr = ROWS(residual, ldr, HR);                       \
+        if (residual)                                                                          \
+            return rms ? FORWARD(F, 1, rr) : FORWARD(F, 0, rr);                                \
+        return rms ? FORWARD(F, 1, NONE) : FORWARD(F, 0, NONE);                                \
     }                                                                                          \
-    NORMS_KERNEL RET rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TP *weight, TX *y, \
-                                          TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps)      \
+    NORMS_KERNEL int norms_backward_##S(int rms, const TX *dy, ptrdiff_t lddy, const TR *dh,    \
+                                        ptrdiff_t lddh, const TR *x, ptrdiff_t ldx,             \
+                                        const TP *mean, const TP *rstd, const TP *weight,       \
+                                        TR *dx, double *dweight_blocks, double *dbias_blocks,   \
+                                        ptrdiff_t m, ptrdiff_t n)                               \
     {                                                                                          \
-        RETURN forward_##F(1, ROWS(x, ldx, HX), NONE, weight, NULL, y, NULL, NULL, rstd, m, n, \
-                           eps);                                                               \
-    }                                                                                          \
-    NORMS_KERNEL RET layer_norm_backward_##S(                                                  \
-        const TX *dy, ptrdiff_t lddy, const TX *x, ptrdiff_t ldx, const TP *mean,              \
-        const TP *rstd, const TP *weight, TX *dx, double *dweight_blocks,                      \
-        double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)                                        \
-    {                                                                                          \
-        RETURN backward_##F(0, ROWS(dy, lddy, HX), NONE, ROWS(x, ldx, HX), mean, rstd, weight, \
-                            dx, dweight_blocks, dbias_blocks, m, n);                           \
-    }                                                                                          \
-    NORMS_KERNEL RET rms_norm_backward_##S(const TX *dy, ptrdiff_t lddy, const TX *x,          \
-                                           ptrdiff_t ldx, const TP *rstd, const TP *weight,    \
-                                           TX *dx, double *dweight_blocks, ptrdiff_t m,        \
-                                           ptrdiff_t n)                                        \
-    {                                                                                          \
-        RETURN backward_##F(1, ROWS(dy, lddy, HX), NONE, ROWS(x, ldx, HX), NULL, rstd, weight, \
-                            dx, dweight_blocks, NULL, m, n);                                   \
+        struct rows dyr = ROWS(dy, lddy, HX), dhr = ROWS(dh, lddh, HR), xr = ROWS(x, ldx, HR); \
+        if (dh)                                                                                \
+            return rms ? BACKWARD(F, 1, dhr) : BACKWARD(F, 0, dhr);                            \
+        return rms ? BACKWARD(F, 1, NONE) : BACKWARD(F, 0, NONE);                              \
     }
 
-#define NORMS_FUSED_EXPORTS(S, F, TX, TR, TP, HX, HR)                                          \
-    NORMS_KERNEL int add_layer_norm_forward_##S(                                               \
-        const TX *x, ptrdiff_t ldx, const TR *residual, ptrdiff_t ldr, const TP *weight,       \
-        const TP *bias, TX *y, TR *h, TP *mean, TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps) \
-    {                                                                                          \
-        return forward_##F(0, ROWS(x, ldx, HX), ROWS(residual, ldr, HR), weight, bias, y, h,   \
-                           mean, rstd, m, n, eps);                                             \
-    }                                                                                          \
-    NORMS_KERNEL int add_rms_norm_forward_##S(const TX *x, ptrdiff_t ldx, const TR *residual,  \
-                                              ptrdiff_t ldr, const TP *weight, TX *y, TR *h,   \
-                                              TP *rstd, ptrdiff_t m, ptrdiff_t n, double eps)  \
-    {                                                                                          \
-        return forward_##F(1, ROWS(x, ldx, HX), ROWS(residual, ldr, HR), weight, NULL, y, h,   \
-                           NULL, rstd, m, n, eps);                                             \
-    }                                                                                          \
-    NORMS_KERNEL int add_layer_norm_backward_##S(                                              \
-        const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, const TR *h, ptrdiff_t ldh, \
-        const TP *mean, const TP *rstd, const TP *weight, TR *dsum, double *dweight_blocks,    \
-        double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)                                        \
-    {                                                                                          \
-        return backward_##F(0, ROWS(dy, lddy, HX), ROWS(dh, lddh, HR), ROWS(h, ldh, HR), mean, \
-                            rstd, weight, dsum, dweight_blocks, dbias_blocks, m, n);           \
-    }                                                                                          \
-    NORMS_KERNEL int add_rms_norm_backward_##S(                                                \
-        const TX *dy, ptrdiff_t lddy, const TR *dh, ptrdiff_t lddh, const TR *h, ptrdiff_t ldh, \
-        const TP *rstd, const TP *weight, TR *dsum, double *dweight_blocks, ptrdiff_t m,       \
-        ptrdiff_t n)                                                                           \
-    {                                                                                          \
-        return backward_##F(1, ROWS(dy, lddy, HX), ROWS(dh, lddh, HR), ROWS(h, ldh, HR), NULL, \
-                            rstd, weight, dsum, dweight_blocks, NULL, m, n);                   \
-    }
-
-NORMS_EXPORTS(f32, f32, float, float, 0, void, (void))
-NORMS_EXPORTS(f64, f64, double, double, 0, void, (void))
-NORMS_EXPORTS(f16, f32, uint16_t, float, 1, int, return)
-NORMS_FUSED_EXPORTS(f32, f32, float, float, float, 0, 0)
-NORMS_FUSED_EXPORTS(f64, f64, double, double, double, 0, 0)
-NORMS_FUSED_EXPORTS(f16, f32, uint16_t, uint16_t, float, 1, 1)
-NORMS_FUSED_EXPORTS(f16f32, f32, uint16_t, float, float, 1, 0)
+NORMS_EXPORTS(f32, f32, float, float, float, 0, 0)
+NORMS_EXPORTS(f64, f64, double, double, double, 0, 0)
+NORMS_EXPORTS(f16, f32, uint16_t, uint16_t, float, 1, 1)
+NORMS_EXPORTS(f16f32, f32, uint16_t, float, float, 1, 0)

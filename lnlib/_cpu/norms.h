@@ -3,12 +3,13 @@
  * are dropped) to build the binding, and norms.c includes this file, so the compiler
  * checks that the definitions and the binding agree.
  *
- * Shapes (m rows of n elements; the suffix _f32 or _f64 is the element type T):
+ * Shapes (m rows of n elements; the suffix names the element types, below):
  *   x, dy          (m, n)  rows ldx, lddy elements apart (ldx, lddy >= n)
  *   y, dx          (m, n)  contiguous, overlapping no other argument (the kernels declare
  *                          some of their outputs restrict)
  *   mean, rstd     (m,)
- *   weight, bias   (n,)    never NULL: the binding passes ones and zeros when absent
+ *   weight, bias   (n,)    never NULL (but RMSNorm's bias): the binding passes ones and zeros
+ *                          when absent
  *   dweight_blocks, dbias_blocks  (ceil(m / NORMS_BLOCK_ROWS), n) float64, zero on entry:
  *                  row block b gets the column sums of its rows; sum_blocks_pairwise adds
  *                  the blocks, so the totals do not depend on how the rows were split
@@ -21,51 +22,55 @@
 
 enum { NORMS_BLOCK_ROWS = 128 };
 
-void layer_norm_forward_f32(const float *x, ptrdiff_t ldx, const float *weight,
-                            const float *bias, float *y, float *mean, float *rstd,
-                            ptrdiff_t m, ptrdiff_t n, double eps);
-void layer_norm_forward_f64(const double *x, ptrdiff_t ldx, const double *weight,
-                            const double *bias, double *y, double *mean, double *rstd,
-                            ptrdiff_t m, ptrdiff_t n, double eps);
-
-void layer_norm_backward_f32(const float *dy, ptrdiff_t lddy, const float *x, ptrdiff_t ldx,
-                             const float *mean, const float *rstd, const float *weight,
-                             float *dx, double *dweight_blocks, double *dbias_blocks,
-                             ptrdiff_t m, ptrdiff_t n);
-void layer_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *x, ptrdiff_t ldx,
-                             const double *mean, const double *rstd, const double *weight,
-                             double *dx, double *dweight_blocks, double *dbias_blocks,
-                             ptrdiff_t m, ptrdiff_t n);
-
-void rms_norm_forward_f32(const float *x, ptrdiff_t ldx, const float *weight, float *y,
-                          float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
-void rms_norm_forward_f64(const double *x, ptrdiff_t ldx, const double *weight, double *y,
-                          double *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
-
-void rms_norm_backward_f32(const float *dy, ptrdiff_t lddy, const float *x, ptrdiff_t ldx,
-                           const float *rstd, const float *weight, float *dx,
-                           double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
-void rms_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *x, ptrdiff_t ldx,
-                           const double *rstd, const double *weight, double *dx,
-                           double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
-
-/* float16 (the _f16 kernels): x, dy, y and dx hold IEEE binary16 bits (uint16_t); weight,
- * bias, mean and rstd are float. Each row is converted to float, goes through the float32
- * kernel's row functions, and y and dx are rounded to float16 once (to nearest, ties to
- * even): the results are exactly those of the _f32 kernel on the inputs converted to float32.
- * They return 0, or 1 when the scratch rows cannot be allocated. */
-int layer_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const float *weight,
-                           const float *bias, uint16_t *y, float *mean, float *rstd,
-                           ptrdiff_t m, ptrdiff_t n, double eps);
-int layer_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *x,
-                            ptrdiff_t ldx, const float *mean, const float *rstd,
-                            const float *weight, uint16_t *dx, double *dweight_blocks,
-                            double *dbias_blocks, ptrdiff_t m, ptrdiff_t n);
-int rms_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const float *weight, uint16_t *y,
-                         float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
-int rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *x, ptrdiff_t ldx,
-                          const float *rstd, const float *weight, uint16_t *dx,
-                          double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
+/* The forward: y = norm(x) for rms 0 (LayerNorm) or 1 (RMSNorm, which reads no bias and writes
+ * no mean: both may be NULL). With a residual (not NULL), the fused residual add: h = residual
+ * + x, then y = norm(h), two rows at a time, the add into h and then the norm's row code on
+ * those rows of h while they are in cache, so that y is bitwise the plain forward's y of h
+ * (lnlib/_rows.py states the rounding); without one, h is not written (it may be NULL).
+ * residual rows ldr elements apart; h contiguous (m, n), and it may be residual itself
+ * (ldr == n). The backward: dx of x (of h for the fused add), and with dh (not NULL, rows lddh
+ * apart) dsum = dx + dh written in its place; dbias_blocks may be NULL for rms 1.
+ *
+ * Types by suffix: _f32, _f64 every array in that type; _f16 every (m, n) array float16
+ * (IEEE binary16 bits, uint16_t) with weight, bias, mean and rstd float; _f16f32 x, y and dy
+ * float16 with the residual stream (residual, h, dh, and dx, the gradient of h) float. A
+ * float16 row is converted to float (exactly), goes through the float32 row code, and y and dx
+ * are rounded to float16 once (to nearest, ties to even): the results are exactly those of the
+ * _f32 kernel on the inputs converted to float32; a float16 h is rounded before it is
+ * normalized, and a float16 dx before dh is added. They return 0, or 1 when their scratch rows
+ * cannot be allocated. */
+int norms_forward_f32(int rms, const float *x, ptrdiff_t ldx, const float *residual,
+                      ptrdiff_t ldr, const float *weight, const float *bias, float *y, float *h,
+                      float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
+int norms_forward_f64(int rms, const double *x, ptrdiff_t ldx, const double *residual,
+                      ptrdiff_t ldr, const double *weight, const double *bias, double *y,
+                      double *h, double *mean, double *rstd, ptrdiff_t m, ptrdiff_t n,
+                      double eps);
+int norms_forward_f16(int rms, const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
+                      ptrdiff_t ldr, const float *weight, const float *bias, uint16_t *y,
+                      uint16_t *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
+                      double eps);
+int norms_forward_f16f32(int rms, const uint16_t *x, ptrdiff_t ldx, const float *residual,
+                         ptrdiff_t ldr, const float *weight, const float *bias, uint16_t *y,
+                         float *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
+                         double eps);
+int norms_backward_f32(int rms, const float *dy, ptrdiff_t lddy, const float *dh,
+                       ptrdiff_t lddh, const float *x, ptrdiff_t ldx, const float *mean,
+                       const float *rstd, const float *weight, float *dx,
+                       double *dweight_blocks, double *dbias_blocks, ptrdiff_t m, ptrdiff_t n);
+int norms_backward_f64(int rms, const double *dy, ptrdiff_t lddy, const double *dh,
+                       ptrdiff_t lddh, const double *x, ptrdiff_t ldx, const double *mean,
+                       const double *rstd, const double *weight, double *dx,
+                       double *dweight_blocks, double *dbias_blocks, ptrdiff_t m, ptrdiff_t n);
+int norms_backward_f16(int rms, const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
+                       ptrdiff_t lddh, const uint16_t *x, ptrdiff_t ldx, const float *mean,
+                       const float *rstd, const float *weight, uint16_t *dx,
+                       double *dweight_blocks, double *dbias_blocks, ptrdiff_t m, ptrdiff_t n);
+int norms_backward_f16f32(int rms, const uint16_t *dy, ptrdiff_t lddy, const float *dh,
+                          ptrdiff_t lddh, const float *x, ptrdiff_t ldx, const float *mean,
+                          const float *rstd, const float *weight, float *dx,
+                          double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
+                          ptrdiff_t n);
 
 /* How the float16 kernels convert: "f16c" (the x86-64 instructions, where the CPU has them)
  * or "portable" (bit operations); the same bits. norms_half_to_float and norms_float_to_half
@@ -85,78 +90,5 @@ int norms_set_streaming(int enabled);
 
 /* Adds the rows of blocks (nblocks, n) pairwise, in a fixed order; the total ends in row 0. */
 void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n);
-
-/* The fused residual add: h = residual + x, then the norm of h; the backward dsum = dx + dh.
- * lnlib/_rows.py states the rounding. Two rows at a time, the add into h, then the norm's row
- * code on those rows of h while they are in cache: y is bitwise the kernel's y of h, dsum its dx
- * plus dh. residual rows ldr apart; h, y, dsum contiguous (m, n); h may be residual itself
- * (ldr == n), nothing else overlaps. dh may be NULL (zero). Suffixes: _f32, _f64 and _f16 all
- * arrays in that type (float16 as uint16_t bits, weight, bias, mean, rstd in float); _f16f32:
- * x, y and dy float16, residual, h, dh, dsum float. They return 0, or 1 when their scratch
- * cannot be allocated. */
-int add_layer_norm_forward_f32(const float *x, ptrdiff_t ldx, const float *residual,
-                               ptrdiff_t ldr, const float *weight, const float *bias, float *y,
-                               float *h, float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n,
-                               double eps);
-int add_layer_norm_forward_f64(const double *x, ptrdiff_t ldx, const double *residual,
-                               ptrdiff_t ldr, const double *weight, const double *bias,
-                               double *y, double *h, double *mean, double *rstd, ptrdiff_t m,
-                               ptrdiff_t n, double eps);
-int add_layer_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
-                               ptrdiff_t ldr, const float *weight, const float *bias,
-                               uint16_t *y, uint16_t *h, float *mean, float *rstd, ptrdiff_t m,
-                               ptrdiff_t n, double eps);
-int add_layer_norm_forward_f16f32(const uint16_t *x, ptrdiff_t ldx, const float *residual,
-                                  ptrdiff_t ldr, const float *weight, const float *bias,
-                                  uint16_t *y, float *h, float *mean, float *rstd, ptrdiff_t m,
-                                  ptrdiff_t n, double eps);
-int add_rms_norm_forward_f32(const float *x, ptrdiff_t ldx, const float *residual,
-                             ptrdiff_t ldr, const float *weight, float *y, float *h,
-                             float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
-int add_rms_norm_forward_f64(const double *x, ptrdiff_t ldx, const double *residual,
-                             ptrdiff_t ldr, const double *weight, double *y, double *h,
-                             double *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
-int add_rms_norm_forward_f16(const uint16_t *x, ptrdiff_t ldx, const uint16_t *residual,
-                             ptrdiff_t ldr, const float *weight, uint16_t *y, uint16_t *h,
-                             float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
-int add_rms_norm_forward_f16f32(const uint16_t *x, ptrdiff_t ldx, const float *residual,
-                                ptrdiff_t ldr, const float *weight, uint16_t *y, float *h,
-                                float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
-int add_layer_norm_backward_f32(const float *dy, ptrdiff_t lddy, const float *dh,
-                                ptrdiff_t lddh, const float *h, ptrdiff_t ldh, const float *mean,
-                                const float *rstd, const float *weight, float *dsum,
-                                double *dweight_blocks, double *dbias_blocks, ptrdiff_t m,
-                                ptrdiff_t n);
-int add_layer_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *dh,
-                                ptrdiff_t lddh, const double *h, ptrdiff_t ldh,
-                                const double *mean, const double *rstd, const double *weight,
-                                double *dsum, double *dweight_blocks, double *dbias_blocks,
-                                ptrdiff_t m, ptrdiff_t n);
-int add_layer_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
-                                ptrdiff_t lddh, const uint16_t *h, ptrdiff_t ldh,
-                                const float *mean, const float *rstd, const float *weight,
-                                uint16_t *dsum, double *dweight_blocks, double *dbias_blocks,
-                                ptrdiff_t m, ptrdiff_t n);
-int add_layer_norm_backward_f16f32(const uint16_t *dy, ptrdiff_t lddy, const float *dh,
-                                   ptrdiff_t lddh, const float *h, ptrdiff_t ldh,
-                                   const float *mean, const float *rstd, const float *weight,
-                                   float *dsum, double *dweight_blocks, double *dbias_blocks,
-                                   ptrdiff_t m, ptrdiff_t n);
-int add_rms_norm_backward_f32(const float *dy, ptrdiff_t lddy, const float *dh, ptrdiff_t lddh,
-                              const float *h, ptrdiff_t ldh, const float *rstd,
-                              const float *weight, float *dsum, double *dweight_blocks,
-                              ptrdiff_t m, ptrdiff_t n);
-int add_rms_norm_backward_f64(const double *dy, ptrdiff_t lddy, const double *dh,
-                              ptrdiff_t lddh, const double *h, ptrdiff_t ldh,
-                              const double *rstd, const double *weight, double *dsum,
-                              double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
-int add_rms_norm_backward_f16(const uint16_t *dy, ptrdiff_t lddy, const uint16_t *dh,
-                              ptrdiff_t lddh, const uint16_t *h, ptrdiff_t ldh,
-                              const float *rstd, const float *weight, uint16_t *dsum,
-                              double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
-int add_rms_norm_backward_f16f32(const uint16_t *dy, ptrdiff_t lddy, const float *dh,
-                                 ptrdiff_t lddh, const float *h, ptrdiff_t ldh,
-                                 const float *rstd, const float *weight, float *dsum,
-                                 double *dweight_blocks, ptrdiff_t m, ptrdiff_t n);
 
 #endif
