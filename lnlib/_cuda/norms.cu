@@ -129,6 +129,23 @@ __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* r
     const int tiles = lnlib::tile_count<R, MAXV, V>(d);
     A v[MAXV][V];
     int cnt[MAXV];
+    // Rows of one tile: thread t has the same columns in every row, so where the registers
+    // allow (KEEP: at most 16 values per thread, blocks of at most 512 threads) it loads their
+    // weight and bias once, before the rows, and keeps them (otherwise, and for longer rows,
+    // they are loaded per tile, below). Columns past d are never stored: neutral 1 and 0.
+    constexpr bool KEEP = MAXV * V <= 16 && LNLIB_BLOCK(R) <= 512;
+    A wv[MAXV][V], bv[MAXV][V];
+    if constexpr (KEEP) {
+#pragma unroll
+        for (int s = 0; s < MAXV; ++s)
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const long long i = ((long long)s * R + t) * V + j;
+                const bool mine = tiles == 1 && i < d;
+                wv[s][j] = weight && mine ? __ldg(weight + i) : A(1);
+                bv[s][j] = bias && mine ? __ldg(bias + i) : A(0);
+            }
+    }
     for (long long first = (long long)blockIdx.x * ROWS; first < m;
          first += (long long)gridDim.x * ROWS) {
         const long long row = first + threadIdx.x / R;
@@ -159,8 +176,8 @@ __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* r
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
                     const long long i = j < cnt[s] ? c * V + j : 0;
-                    const A w = weight ? __ldg(weight + i) : A(1);
-                    const A b = bias ? __ldg(bias + i) : A(0);
+                    const A w = KEEP && tiles == 1 ? wv[s][j] : weight ? __ldg(weight + i) : A(1);
+                    const A b = KEEP && tiles == 1 ? bv[s][j] : bias ? __ldg(bias + i) : A(0);
                     out[j] = (v[s][j] - mu) * rstd * w + b;
                     // the norm of h gives y in TH; a fused op then casts it to TX
                     if constexpr (!lnlib::Same<TX, TH>::value) out[j] = lnlib::rounded<TH>(out[j]);
