@@ -5,10 +5,12 @@ class embedding) is mapped by a small layer to a shift, a scale and a gate per f
 
 .. math::
 
-    (\mathrm{shift}, \mathrm{scale}, \mathrm{gate}) = \mathrm{SiLU}(c)\,W + b, \qquad
-    y = \mathrm{LN}(x)\,(1 + \mathrm{scale}) + \mathrm{shift} .
+    (\delta, s, \kappa) = W_c\,\mathrm{SiLU}(c) + \beta_c, \qquad
+    y = \mathrm{LN}(x) \odot (1 + s) + \delta ,
 
-With the adaLN-Zero initialisation (:math:`W = 0`, :math:`b = 0`) every block starts as the
+the shift, scale and gate of the book's notation (``weight`` holds :math:`W_c^\top`, so the code
+computes ``SiLU(c) @ weight + bias`` on rows). With the adaLN-Zero initialisation
+(:math:`W_c = 0`, :math:`\beta_c = 0`) every block starts as the
 identity on its residual branch, because the gate that multiplies the branch is zero.
 """
 
@@ -251,12 +253,12 @@ def adaln_modulation(c, weight, bias, *, chunks=3):
 
     Parameters
     ----------
-    c : ndarray, shape ``(B, C)``
+    c : ndarray, shape ``(B, D_c)``
         Conditioning vectors (e.g. time-step plus class embedding), floating.
-    weight : ndarray, shape ``(C, chunks * D)``
-        Weight :math:`W` of the linear map (zeros for adaLN-Zero).
+    weight : ndarray, shape ``(D_c, chunks * D)``
+        :math:`W_c^\top`, the transpose of the book's :math:`W_c` (zeros for adaLN-Zero).
     bias : ndarray, shape ``(chunks * D,)``
-        Its bias :math:`b`.
+        Its bias :math:`\beta_c`.
     chunks : int, default 3
         3 gives ``(shift, scale, gate)``; DiT uses 6 (two sets, for attention and MLP).
 
@@ -270,14 +272,14 @@ def adaln_modulation(c, weight, bias, *, chunks=3):
     TypeError
         A non-floating array, or arrays from different array libraries.
     ValueError
-        ``c`` not 2-d; ``weight`` not ``(C, chunks * D)``; ``bias`` not ``(chunks * D,)``;
+        ``c`` not 2-d; ``weight`` not ``(D_c, chunks * D)``; ``bias`` not ``(chunks * D,)``;
         ``chunks`` not a positive int.
 
     Notes
     -----
     .. math::
 
-        (\mathrm{shift}, \mathrm{scale}, \mathrm{gate}) = \mathrm{SiLU}(c)\,W + b .
+        (\delta, s, \kappa) = W_c\,\mathrm{SiLU}(c) + \beta_c .
 
     Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
     """
@@ -300,9 +302,9 @@ def adaln_modulation_backward(doutputs, c, weight):
 
     Returns
     -------
-    dc : ndarray, shape ``(B, C)``
+    dc : ndarray, shape ``(B, D_c)``
         Gradient with respect to ``c``.
-    dweight : ndarray, shape ``(C, chunks * D)``
+    dweight : ndarray, shape ``(D_c, chunks * D)``
         Gradient with respect to ``weight``.
     dbias : ndarray, shape ``(chunks * D,)``
         Gradient with respect to the bias.
@@ -317,10 +319,10 @@ def adaln_modulation_backward(doutputs, c, weight):
 
     Notes
     -----
-    With :math:`h = \mathrm{SiLU}(c)` and :math:`g` the concatenated ``doutputs``:
-    :math:`dW = h^\top g`, :math:`db = \sum_b g`, :math:`dc = (g W^\top) \odot
-    \mathrm{SiLU}'(c)`. Covered in :doc:`/book/04_variants`, section "Conditioning through
-    the norm".
+    With ``S = SiLU(c)`` (rows, ``(B, D_c)``) and ``G`` the concatenated ``doutputs``
+    (``(B, chunks * D)``): ``dweight = S.T @ G``, ``dbias = G.sum(axis=0)`` (the sum over the
+    examples) and ``dc = (G @ weight.T) * SiLU'(c)``. Covered in :doc:`/book/04_variants`,
+    section "Conditioning through the norm".
     """
     xp = get_array_module(c=c, weight=weight)
     c = check.float_array(c, "c", xp)

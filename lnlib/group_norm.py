@@ -25,13 +25,13 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     r"""Group normalization of ``x`` (N, C, ...); returns ``y`` only.
 
     Each example's channels are split into G groups; a group (its C/G channels at every
-    spatial position) is normalized like a LayerNorm row, then each channel :math:`c` gets
+    spatial position) is normalized like a LayerNorm row, then each channel :math:`j` gets
     its gain and bias:
 
     .. math::
 
-        y_{bc\cdot} = (x_{bc\cdot} - \mu_{bj})\, r_{bj}\, \gamma_c + \beta_c
-        \quad (c \text{ in group } j).
+        y_{bj\cdot} = (x_{bj\cdot} - \mu_{b\mathcal{G}})\, r_{b\mathcal{G}}\, \gamma_j + \beta_j
+        \quad (\text{channel } j \text{ in group } \mathcal{G}).
 
     Parameters
     ----------
@@ -122,16 +122,16 @@ def _per_channel(p, x, dtype):
 def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     r"""GroupNorm forward pass, like ``torch.nn.functional.group_norm``.
 
-    For ``x`` of shape ``(N, C, *spatial)`` and G groups, group :math:`j` of example :math:`b`
-    holds channels :math:`jC/G, \dots, (j+1)C/G - 1` at every spatial position, :math:`D =
-    (C/G)\prod \mathrm{spatial}` values; with its mean :math:`\mu_{bj}` and biased variance
-    :math:`\sigma_{bj}^2`,
+    For ``x`` of shape ``(N, C, *spatial)`` and G groups, group :math:`\mathcal{G}` (the
+    :math:`k`-th, from 0) of example :math:`b` holds channels :math:`kC/G, \dots, (k+1)C/G - 1`
+    at every spatial position, :math:`D = (C/G)\prod \mathrm{spatial}` values; with its mean
+    :math:`\mu_{b\mathcal{G}}` and biased variance :math:`\sigma_{b\mathcal{G}}^2`,
 
     .. math::
 
-        r_{bj} = (\sigma_{bj}^2 + \epsilon)^{-1/2}, \qquad
-        y_{bc\cdot} = (x_{bc\cdot} - \mu_{bj})\, r_{bj}\, \gamma_c + \beta_c
-        \quad (c \text{ in group } j).
+        r_{b\mathcal{G}} = (\sigma_{b\mathcal{G}}^2 + \epsilon)^{-1/2}, \qquad
+        y_{bj\cdot} = (x_{bj\cdot} - \mu_{b\mathcal{G}})\, r_{b\mathcal{G}}\, \gamma_j + \beta_j
+        \quad (\text{channel } j \text{ in group } \mathcal{G}).
 
     ``num_groups = C`` is InstanceNorm; ``num_groups = 1`` is LayerNorm over ``(C, *spatial)``
     except that the gain and bias are per channel (shape (C,)), not per element.
@@ -197,14 +197,15 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
 def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     r"""GroupNorm backward pass.
 
-    With :math:`g = dy\,\gamma_c` and :math:`\hat{x} = (x - \mu_{bj})\,r_{bj}`, each group of
-    each example is a LayerNorm row, so
+    With :math:`g = dy\,\gamma_j` and
+    :math:`\hat{x} = (x - \mu_{b\mathcal{G}})\,r_{b\mathcal{G}}`, each group of each example is
+    a LayerNorm row, so
 
     .. math::
 
-        dx = r_{bj}\,\big(g - \overline{g} - \hat{x}\;\overline{g\hat{x}}\big), \qquad
-        d\gamma_c = \sum_{b,\ \text{spatial}} dy\,\hat{x}, \qquad
-        d\beta_c = \sum_{b,\ \text{spatial}} dy,
+        dx = r_{b\mathcal{G}}\,\big(g - \overline{g} - \hat{x}\;\overline{g \odot \hat{x}}\big),
+        \qquad d\gamma_j = \sum_{b,\ \text{spatial}} dy\,\hat{x}, \qquad
+        d\beta_j = \sum_{b,\ \text{spatial}} dy,
 
     where a bar is the mean over the group's :math:`D` values.
 

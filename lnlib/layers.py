@@ -174,7 +174,7 @@ class AdaLN(_Layer):
     dim : int
         D, the size of the last axis of ``x``.
     cond_dim : int
-        C, the size of the conditioning vector.
+        D_c, the size of the conditioning vector c.
     zero_init : bool, default True
         adaLN-Zero (weight and bias zero). Otherwise the weight is drawn from
         N(0, 1/cond_dim) with ``rng``.

@@ -149,6 +149,7 @@ def check_partial_rms_norm(fn: Callable[..., Any]) -> CheckResult:
         Case("a tiny p: at least one feature", (rng.normal(size=(2, 8)), 0.01)),
         Case("three dimensions (2, 3, 8)", (rng.normal(size=(2, 3, 8)), 0.5)),
         Case("eps = 1.0 passed as a keyword", (x, 0.5), {"eps": 1.0}),
+        Case("p = 0.2 on D = 16: ceil(3.2) = 4 features (rounding gives 3)", (x, 0.2)),
     ]
     return check(
         fn, partial_rms_norm, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "partial_rms_norm")

@@ -90,8 +90,18 @@ def test_partial_rms_with_floor_instead_of_ceil_fails_on_d10():
 
     result = ch04.check_partial_rms_norm(floor)
     assert [f.description for f in result.failures] == [
-        "p = 0.25 on D = 10: ceil(2.5) = 3 features"
+        "p = 0.25 on D = 10: ceil(2.5) = 3 features",
+        "p = 0.2 on D = 16: ceil(3.2) = 4 features (rounding gives 3)",
     ]
+
+
+def test_partial_rms_with_round_half_up_fails_on_p02():
+    def half_up(x, p, eps=1e-8):
+        k = max(1, int(p * x.shape[-1] + 0.5))
+        return x / np.sqrt((x[..., :k] ** 2).mean(axis=-1, keepdims=True) + eps)
+
+    result = ch04.check_partial_rms_norm(half_up)
+    assert [f.index for f in result.failures] == [7]
 
 
 def test_scale_norm_with_eps_added_fails_on_the_short_row():
