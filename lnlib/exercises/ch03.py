@@ -132,7 +132,7 @@ def check_jacobian_spectrum(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(x, eps=1e-5) -> eigenvalues``, the spectrum of J = d xhat / d x.
 
     ``x`` has shape (D,); the result must be the D eigenvalues of the Jacobian of LayerNorm
-    (no weight or bias) in ascending order, float64, to 1e-9 relative to the largest. Cases
+    (no weight or bias) in ascending order, float64, elementwise to rtol = atol = 1e-9. Cases
     include eps = 0, where two eigenvalues are 0, and a constant vector.
     """
     rng = _rng()
