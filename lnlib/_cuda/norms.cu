@@ -1,8 +1,8 @@
 // Fused LayerNorm and RMSNorm kernels, forward and backward, on a matrix of rows (m, d).
 //
 // Template arguments: T the element type (float, double, __half, __nv_bfloat16), R the threads
-// per row (32: a warp per row; up to 1024: a block per row) and MAXV the 16-byte vectors each
-// thread holds per row tile. lnlib/_cuda/build.py picks (R, MAXV) from d and T alone and
+// per row (32: a warp per row; more, up to 1024: several warps, a block of 128 holding two rows
+// at R = 64, one row from 128 on) and MAXV the 16-byte vectors each thread holds per row tile. lnlib/_cuda/build.py picks (R, MAXV) from d and T alone and
 // names the instantiation when it compiles the module (NVRTC name expressions).
 //
 // A row that fits in one tile (d <= R * MAXV * V) is read once into registers and written
