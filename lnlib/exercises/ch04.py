@@ -194,7 +194,9 @@ def check_group_norm(fn: Callable[..., Any]) -> CheckResult:
     (B, C, *spatial), with per-channel ``weight`` and ``bias`` of shape (C,).
 
     Cases: two spatial axes, one spatial axis, no spatial axis, InstanceNorm (G = C),
-    LayerNorm over (C, H, W) (G = 1), groups with different scales, and ``eps``.
+    LayerNorm over (C, H, W) (G = 1), groups with different scales, ``eps``, and groups with
+    a mean of 1e6 and a spread of 1, where the one-pass variance (mean of the squares minus
+    the squared mean) loses about 1e-4 and fails (chapter 2).
     """
     rng = _rng()
 
@@ -211,6 +213,10 @@ def check_group_norm(fn: Callable[..., Any]) -> CheckResult:
         Case("one group, G = 1 (LayerNorm over C, H, W)", case((2, 4, 2, 2), 1)),
         Case("G = 3 groups of different scales", (x, 3, w, b)),
         Case("eps = 0.5 passed as a keyword", case((2, 4, 2), 2), {"eps": 0.5}),
+        Case(
+            "a mean of 1e6, spread 1: the variance must be taken from the deviations",
+            (1e6 + rng.normal(size=(2, 4, 3, 3)), 2, rng.normal(size=4), rng.normal(size=4)),
+        ),
     ]
     return check(fn, _ref_group_norm, cases, rtol=1e-7, atol=1e-9, name=_name(fn, "group_norm"))
 

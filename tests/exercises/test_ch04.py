@@ -124,7 +124,7 @@ def test_group_norm_with_groups_taken_across_the_wrong_axis_fails():
     assert not ch04.check_group_norm(wrong_groups).passed
 
 
-def test_group_norm_with_per_group_parameters_fails():
+def test_group_norm_with_batch_statistics_fails():
     def batch_stats(x, num_groups, weight, bias, eps=1e-5):
         axes = (0,) + tuple(range(2, x.ndim))  # BatchNorm's axes, not GroupNorm's
         xhat = (x - x.mean(axes, keepdims=True)) / np.sqrt(x.var(axes, keepdims=True) + eps)
@@ -132,6 +132,20 @@ def test_group_norm_with_per_group_parameters_fails():
         return xhat * weight.reshape(shape) + bias.reshape(shape)
 
     assert not ch04.check_group_norm(batch_stats).passed
+
+
+def test_group_norm_with_the_one_pass_variance_fails_only_on_the_large_mean():
+    def one_pass(x, num_groups, weight, bias, eps=1e-5):
+        n, c = x.shape[:2]
+        xg = x.reshape(n, num_groups, -1)
+        mean = xg.mean(-1, keepdims=True)
+        var = (xg * xg).mean(-1, keepdims=True) - mean * mean  # chapter 2 forbids this
+        xhat = ((xg - mean) / np.sqrt(var + eps)).reshape(x.shape)
+        shape = (1, c) + (1,) * (x.ndim - 2)
+        return xhat * weight.reshape(shape) + bias.reshape(shape)
+
+    result = ch04.check_group_norm(one_pass)
+    assert [f.index for f in result.failures] == [8]
 
 
 def test_dyt_backward_without_the_sum_over_rows_fails():
