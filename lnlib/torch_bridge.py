@@ -213,17 +213,31 @@ def _function(name, results):
     return make
 
 
-def _norm_forward(ctx, name, x, params, ndim, eps, offset):
-    """The forward of the LayerNorm and RMSNorm Functions: lnlib's ``name`` norm of ``x`` over
-    its last ``ndim`` axes with the parameters ``params`` (the weight first)."""
+def _norm_forward(ctx, name, x, residual, params, ndim, eps, offset, h_dtype=None):
+    """The forward of the LayerNorm and RMSNorm Functions (``residual`` None) and of their fused
+    forms: lnlib's ``name`` forward over the last ``ndim`` axes with ``params`` (the weight
+    first). The fused forms store ``h = residual + x`` in ``h_dtype`` (a torch dtype, None: that
+    of ``residual``; bfloat16 is computed in float32) and give ``x`` and ``residual`` one
+    gradient, ``dsum``."""
     forward, backward = getattr(lnlib, name + "_forward"), getattr(lnlib, name + "_backward")
-    arrays = map(_to_array, (x, *params))
-    y, *stats = forward(*arrays, eps=eps, normalized_ndim=ndim, weight_offset=offset)
+    kw = {"normalized_ndim": ndim, "weight_offset": offset}
+    if residual is None:
+        y, *stats = forward(*map(_to_array, (x, *params)), eps=eps, **kw)
 
-    def norm_backward(dy, x, weight, *stats):
-        return backward(dy, x, *stats, weight, weight_offset=offset)
+        def norm_backward(dy, x, weight, *stats):
+            return backward(dy, x, *stats, weight, weight_offset=offset)
 
-    return _finish(ctx, [(y, x.dtype)], stats, (x, params[0]), norm_backward)
+        return _finish(ctx, [(y, x.dtype)], stats, (x, params[0]), norm_backward)
+    h_dtype = residual.dtype if h_dtype is None else h_dtype
+    h_numpy = _NUMPY.get(h_dtype, np.float32)
+    arrays = map(_to_array, (x, residual, *params))
+    y, h, *stats = forward(*arrays, eps=eps, residual_dtype=h_numpy, **kw)
+
+    def fused_backward(dy, dh, weight, h, *stats):
+        dsum, *dparams = backward(dy, dh, h, *stats, weight, **kw)
+        return dsum, dsum, *dparams
+
+    return _finish(ctx, [(y, x.dtype), (h, h_dtype)], stats, (params[0],), fused_backward)
 
 
 @_function("layer_norm", "y, mean, rstd")
@@ -235,7 +249,7 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_ndim, eps, *weight_offset):
         args = normalized_ndim, eps, sum(weight_offset)
-        return _norm_forward(ctx, "layer_norm", x, (weight, bias), *args)
+        return _norm_forward(ctx, "layer_norm", x, None, (weight, bias), *args)
 
 
 @_function("rms_norm", "y, rstd")
@@ -245,9 +259,8 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, normalized_ndim, eps, *weight_offset):
-        return _norm_forward(
-            ctx, "rms_norm", x, (weight,), normalized_ndim, eps, sum(weight_offset)
-        )
+        args = normalized_ndim, eps, sum(weight_offset)
+        return _norm_forward(ctx, "rms_norm", x, None, (weight,), *args)
 
 
 def _memory_format(x):
@@ -302,23 +315,6 @@ class DynamicTanhFunction(torch.autograd.Function):
         return _finish(ctx, [(y, x.dtype)], (), saved, backward)
 
 
-def _add_norm_forward(ctx, name, x, residual, params, ndim, eps, offset, h_dtype):
-    """The fused Functions' forward: ``h = residual + x`` stored in ``h_dtype`` (a torch dtype,
-    None: that of ``residual``; bfloat16 is computed in float32), then lnlib's ``name`` norm of
-    ``h``; the backward gives ``x`` and ``residual`` one gradient, ``dsum``."""
-    h_dtype = residual.dtype if h_dtype is None else h_dtype
-    arrays = map(_to_array, (x, residual, *params))
-    kw = {"normalized_ndim": ndim, "weight_offset": offset}
-    forward, backward = getattr(lnlib, name + "_forward"), getattr(lnlib, name + "_backward")
-    y, h, *stats = forward(*arrays, eps=eps, residual_dtype=_NUMPY.get(h_dtype, np.float32), **kw)
-
-    def fused_backward(dy, dh, weight, h, *stats):
-        dsum, *dparams = backward(dy, dh, h, *stats, weight, **kw)
-        return dsum, dsum, *dparams
-
-    return _finish(ctx, [(y, x.dtype), (h, h_dtype)], stats, (params[0],), fused_backward)
-
-
 @_function("add_layer_norm", "y, h, mean, rstd")
 class AddLayerNormFunction(torch.autograd.Function):
     """``y`` and ``h`` are differentiable, the statistics not; it saves ``weight``, ``h``,
@@ -330,7 +326,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         ctx, x, residual, weight, bias, normalized_ndim, eps, weight_offset, residual_dtype
     ):
         args = normalized_ndim, eps, weight_offset, residual_dtype
-        return _add_norm_forward(ctx, "add_layer_norm", x, residual, (weight, bias), *args)
+        return _norm_forward(ctx, "add_layer_norm", x, residual, (weight, bias), *args)
 
 
 @_function("add_rms_norm", "y, h, rstd")
@@ -342,7 +338,7 @@ class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, normalized_ndim, eps, weight_offset, residual_dtype):
         args = normalized_ndim, eps, weight_offset, residual_dtype
-        return _add_norm_forward(ctx, "add_rms_norm", x, residual, (weight,), *args)
+        return _norm_forward(ctx, "add_rms_norm", x, residual, (weight,), *args)
 
 
 def _check_tensor(name, t):
@@ -352,9 +348,11 @@ def _check_tensor(name, t):
         raise TypeError(f"{name}: expected a floating tensor, got dtype {t.dtype}")
 
 
-def _trailing_shape(x, normalized_shape, *fused):
-    """Check that ``x`` ends with ``normalized_shape`` and, for the fused functions, the
-    ``residual`` and ``residual_dtype`` in ``fused``; return the normalized shape."""
+def _norm(function, x, normalized_shape, params, eps, weight_offset, *fused):
+    """Check the arguments of a norm of this module (``x`` a floating tensor ending with
+    ``normalized_shape``; for the fused add ``fused = (residual, residual_dtype)``), then apply
+    ``function``; return ``y``, or ``(y, h)``. RMSNorm's ``eps`` None is that of PyTorch, the
+    machine epsilon of ``x`` (of ``h`` fused)."""
     _check_tensor("x", x)
     shape = _validate.normalized_shape_value(normalized_shape)
     if x.ndim < len(shape) or tuple(x.shape[x.ndim - len(shape) :]) != shape:
@@ -368,7 +366,11 @@ def _trailing_shape(x, normalized_shape, *fused):
             raise TypeError(
                 f"residual_dtype: expected None or a floating torch.dtype, got {dtype!r}"
             )
-    return shape
+    if eps is None and len(params) == 1:  # RMSNorm: a weight, no bias
+        eps = torch.finfo(fused[1] or fused[0].dtype if fused else x.dtype).eps
+    args = (len(shape), float(eps), float(weight_offset), *fused[1:])
+    results = function.apply(x, *fused[:1], *params, *args)
+    return results[:2] if fused else results[0]
 
 
 #: What the parameters of the functions and modules below mean, by name (:func:`_docs.parameters`).
@@ -414,9 +416,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
         ``x`` is not a floating tensor or does not end with ``normalized_shape``; otherwise
         as :func:`lnlib.layer_norm_forward` (the shapes of ``weight``/``bias``, ...).
     """
-    shape = _trailing_shape(x, normalized_shape)
-    y, _, _ = LayerNormFunction.apply(x, weight, bias, len(shape), float(eps), float(weight_offset))
-    return y
+    return _norm(LayerNormFunction, x, normalized_shape, (weight, bias), eps, weight_offset)
 
 
 @_docs.parameters(_ARGS, eps=_RMS_EPS)
@@ -435,10 +435,7 @@ def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     TypeError, ValueError
         As for :func:`layer_norm`, with :func:`lnlib.rms_norm_forward`.
     """
-    shape = _trailing_shape(x, normalized_shape)
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
-    y, _ = RMSNormFunction.apply(x, weight, len(shape), float(eps), float(weight_offset))
-    return y
+    return _norm(RMSNormFunction, x, normalized_shape, (weight,), eps, weight_offset)
 
 
 @_args
@@ -530,10 +527,10 @@ def add_layer_norm(
         ``normalized_shape``, ``residual_dtype`` not a floating dtype; otherwise as
         :func:`lnlib.add_layer_norm_forward` (``residual`` not of the shape of ``x``, ...).
     """
-    shape = _trailing_shape(x, normalized_shape, residual, residual_dtype)
-    args = (len(shape), float(eps), float(weight_offset), residual_dtype)
-    y, h, _, _ = AddLayerNormFunction.apply(x, residual, weight, bias, *args)
-    return y, h
+    fused = (residual, residual_dtype)
+    return _norm(
+        AddLayerNormFunction, x, normalized_shape, (weight, bias), eps, weight_offset, *fused
+    )
 
 
 @_docs.parameters(_ARGS, eps=_RMS_EPS)
@@ -554,12 +551,8 @@ def add_rms_norm(
     TypeError, ValueError
         As for :func:`add_layer_norm`, with :func:`lnlib.add_rms_norm_forward`.
     """
-    shape = _trailing_shape(x, normalized_shape, residual, residual_dtype)
-    if eps is None:
-        eps = torch.finfo(residual.dtype if residual_dtype is None else residual_dtype).eps
-    args = (len(shape), float(eps), float(weight_offset), residual_dtype)
-    y, h, _ = AddRMSNormFunction.apply(x, residual, weight, *args)
-    return y, h
+    fused = (residual, residual_dtype)
+    return _norm(AddRMSNormFunction, x, normalized_shape, (weight,), eps, weight_offset, *fused)
 
 
 def _learn(module, shape, device, dtype, **fills):
