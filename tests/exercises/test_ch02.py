@@ -129,6 +129,19 @@ def test_naive_failure_accepts_a_large_mean():
     assert ch02.check_naive_failure(row).passed
 
 
+def test_naive_failure_needs_a_rounded_step_not_small_squares():
+    # Chapter 2, exercise 2.5: for [a, a + 1] in float32 nothing rounds up to a = 2047 (the
+    # mean's square a^2 + a + 1/4 needs quarters, kept below 2**22), so [2000, 2001] is exact;
+    # [2500, 2501] fails although its squares and their sum are integers below 2**24.
+    exact = np.array([2000.0, 2001.0], dtype=np.float32)
+    assert ch02.one_pass_variance(exact) == 0.25
+    assert not ch02.check_naive_failure(exact).passed
+    rounded = np.array([2500.0, 2501.0], dtype=np.float32)
+    assert 2500**2 + 2501**2 < 2**24
+    assert ch02.one_pass_variance(rounded) != 0.25
+    assert ch02.check_naive_failure(rounded).passed
+
+
 @pytest.mark.parametrize(
     "row, words",
     [
