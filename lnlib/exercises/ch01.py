@@ -267,9 +267,9 @@ def check_masked_step_stats(fn: Callable[..., Any]) -> CheckResult:
 
     ``a`` has shape (N, T, D): the summed inputs of the D units of a recurrent layer for N
     sequences, padded to length T; ``lengths`` (N,) holds integers with
-    ``1 <= lengths[i] <= T`` and ``max(lengths) == T``. At step ``t`` only the sequences with
-    ``lengths[i] > t`` count. ``mean`` and ``var`` (biased) have shape (T, D). One case (mean
-    1e8, spread 1) rejects the one-pass variance.
+    ``1 <= lengths[b] <= T`` and ``max(lengths) == T``. At step ``t`` (counted from 0) only the
+    sequences with ``lengths[b] > t`` count. ``mean`` and ``var`` (biased) have shape (T, D).
+    One case (mean 1e8, spread 1) rejects the one-pass variance.
     """
     rng = _rng()
 

@@ -38,7 +38,7 @@ def _standardize_cases() -> list[Case]:
 
 
 def check_standardize(standardize) -> CheckResult:
-    """Check ``standardize(x, eps=1e-5)``: each row (last axis) to mean 0, variance 1.
+    """Check ``standardize(x, eps=1e-5)``: each row (last axis) to mean 0, variance 1 up to eps.
 
     The answer must use the biased variance with ``eps`` inside the square root, keep
     the input's shape and dtype, and leave ``x`` unchanged. Two cases (float32 with mean

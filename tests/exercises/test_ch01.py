@@ -142,6 +142,19 @@ def test_fold_without_eps_fails_on_tiny_variance():
     assert "tiny" in result.failures[3].description
 
 
+def test_mask_multiplication_fails_on_nan_padding():
+    # The chapter's solution warns: multiplying by the mask lets NaN padding in (0 * nan is NaN).
+    def multiplied(a, lengths):
+        mask = (np.arange(a.shape[1])[None, :] < lengths[:, None])[..., None]  # (N, T, 1)
+        count = mask.sum(axis=0)
+        mean = (a * mask).sum(axis=0) / count
+        return mean, (((a - mean) * mask) ** 2).sum(axis=0) / count
+
+    result = ch01.check_masked_step_stats(multiplied)
+    assert [f.index for f in result.failures] == [4]
+    assert "non-finite" in result.failures[0].reason
+
+
 def test_unmasked_statistics_fail():
     def unmasked(a, lengths):
         return a.mean(axis=0), a.var(axis=0)

@@ -50,6 +50,16 @@ def test_unbiased_variance_and_eps_outside_fail():
     assert not outside
 
 
+def test_in_place_centring_is_caught():
+    def in_place(x, eps=1e-5):
+        x -= x.mean(axis=-1, keepdims=True)  # changes the caller's array
+        return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+
+    result = intro.check_standardize(in_place)
+    assert len(result.failures) == 8
+    assert all("modified its input in place" in f.reason for f in result.failures)
+
+
 def test_float64_upcast_fails_on_dtype():
     result = intro.check_standardize(lambda x, eps=1e-5: right(x.astype(np.float64), eps))
     assert "dtype float64, expected float32" in result.failures[0].reason
