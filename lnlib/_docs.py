@@ -6,6 +6,7 @@ the Parameters section of a signature."""
 
 import inspect
 import re
+import textwrap
 
 _SECTIONS = ("Returns", "Yields", "Raises", "Attributes", "Notes", "References", "Examples")
 
@@ -152,3 +153,133 @@ def parameters(table, **more):
         return obj
 
     return give
+
+
+# The steps of the NumPy layers (lnlib.layers): a forward through one lnlib function, a backward
+# through its backward that also stores the gradients of the parameters.
+_X = "x : ndarray\n    Shape ``{}``, floating."
+_NO_FORWARD = "RuntimeError\n    No forward has been run.\n"
+
+
+def layer_forward(fn, shape, result, inputs=_X, outputs="y : ndarray, shape and dtype of ``x``"):
+    """Decorator: the docstring of a layer's ``forward`` through the lnlib function ``fn``: by
+    default from ``x`` of ``shape`` to ``y``, which is ``result``."""
+    return step(f"Compute the layer with :func:`lnlib.{fn}`; save what backward needs.",
+                inputs.format(shape),
+                f"{outputs}\n    {result}", f":func:`lnlib.{fn}`")  # fmt: skip
+
+
+def layer_backward(fn, stored, dh="", outputs="dx : ndarray, shape and dtype of ``x``", to=""):
+    """Decorator: the docstring of a layer's ``backward`` through the lnlib function ``fn``: by
+    default from ``dy`` to ``dx``, with ``dh`` (the entry of a second gradient) after ``dy``."""
+    summary = f"Backward of the last :meth:`forward` (:func:`lnlib.{fn}`); also stores {stored}."
+    dy = "dy : ndarray, shape of the last forward's ``x``\n    Gradient of the loss with respect "
+    dy += "to the last forward's output" + (" ``y``." if dh else ".") + dh
+    dx = f"{outputs}\n    Gradient of the loss with respect to the last forward's input{to}."
+    return step(summary, dy, dx, f":func:`lnlib.{fn}`", _NO_FORWARD)
+
+
+#: The fused layers' forward takes x and residual and returns y and h (the arguments of
+#: :func:`layer_forward` after ``fn``); their backward takes dy and dh and returns the one gradient
+#: of x and residual (those of :func:`layer_backward` after ``stored``).
+ADD_FORWARD = (
+    "(*lead, *normalized_shape)",
+    "The normalized ``h`` (dtype of ``x``) and ``h = residual + x`` (``residual_dtype``).",
+    "x, residual : ndarray\n    Shape ``{}``, floating; the two dtypes may differ.",
+    "y, h : ndarray, shape of ``x``",
+)
+ADD_BACKWARD = (
+    "\ndh : ndarray, shape of ``x``, optional\n    Gradient with respect to ``h``, arriving "
+    "along the residual stream (None: zero).",
+    "dsum : ndarray, shape and dtype of ``h``",
+    "s ``x`` and ``residual`` alike",
+)
+
+
+# The torch bridge (lnlib.torch_bridge): what the parameters of its functions and modules mean,
+# the docstrings of its modules' forward and extra_repr and of its autograd Functions.
+_RESIDUAL_DTYPE = """residual_dtype : torch.dtype or None, default None
+    Keyword only. The dtype ``h = residual + x`` is stored in (None: that of ``residual``;
+    float32 for a float16 ``x`` keeps the stream in float32)."""
+TORCH_RMS_EPS = """eps : float or None, default None
+    Added to the mean square inside the square root; None means ``torch.finfo(x.dtype).eps``
+    (of the dtype of ``h`` for the fused add), as in PyTorch."""
+#: The bridge's functions (``layer_norm``, ...).
+TORCH = {
+    **ENTRIES,
+    "x": """x : torch.Tensor, shape ``(..., *normalized_shape)``, float16/bfloat16/float32/float64
+    Input, on the CPU or a CUDA device.""",
+    "residual": """residual : torch.Tensor, shape of ``x``, floating
+    The residual stream (``x`` is the sublayer's output), on the device of ``x``; the dtypes
+    of the two may differ.""",
+    "weight": """weight : torch.Tensor of shape ``normalized_shape`` or None, default None
+    The scale (gain) :math:`\\gamma`, on the device of ``x``.""",
+    "bias": """bias : torch.Tensor of shape ``normalized_shape`` or None, default None
+    The bias :math:`\\beta`, on the device of ``x``.""",
+    "weight_offset": """weight_offset : float, default {default}
+    Keyword only: the scale is ``weight_offset + weight`` (1.0: the zero-centred gain, as in
+    Gemma's RMSNorm).""",
+    "residual_dtype": _RESIDUAL_DTYPE,
+}
+#: The bridge's modules' constructors (``LayerNorm``, ...).
+TORCH_MODULE = {
+    **ENTRIES,
+    "device": """device : torch.device or None, default None
+    Device of the parameters (None: torch's default).""",
+    "dtype": """dtype : torch.dtype or None, default None
+    Dtype of the parameters (None: torch's default).""",
+    "residual_dtype": _RESIDUAL_DTYPE,
+}
+
+_MODULE_STEPS = {  # a module's forward: what it computes, from what, to what
+    False: ("the layer", "x : torch.Tensor\n    Input, floating, on the device of the "
+            "parameters (CPU or CUDA).", "torch.Tensor\n    Shape and dtype of ``x``"),
+    True: ("``h = residual + x`` and the layer on ``h``", "x, residual : torch.Tensor\n    The "
+           "sublayer's output and the residual stream, one shape, on the parameters' device.",
+           "y, h : torch.Tensor\n    The normalized ``h`` (dtype of ``x``) and ``h`` itself"),
+}  # fmt: skip
+
+
+def module_forward(fn, fused=False):
+    """Decorator: the docstring of a torch module's ``forward`` through ``fn``: from ``x`` to
+    ``y``, or (``fused``) from ``x`` and ``residual`` to ``y`` and ``h``."""
+    what, x, y = _MODULE_STEPS[fused]
+    return step(f"Compute {what} with :func:`{fn}`.", x, f"{y}; differentiable (once).",
+                f":func:`{fn}`")  # fmt: skip
+
+
+#: A torch module's ``extra_repr``; ``{0}``: whose ``repr`` it follows.
+EXTRA_REPR = r"""The constructor arguments shown by ``repr(module)``, as in {0}.
+
+        Returns
+        -------
+        str
+            E.g. the normalized shape, ``eps`` and whether parameters are learned.
+        """
+
+_CTX = """ctx : torch.autograd.function.FunctionCtx
+    Torch's context object, where the forward saves what the backward needs."""
+
+
+def function(cls, forward, name, lnlib_forward, results):
+    """Write the docstrings of the autograd Function ``cls`` of the bridge's function ``name``
+    (its class note kept after what its ``apply`` returns and which lnlib functions it runs)
+    and of its ``forward``, which runs ``lnlib_forward`` and returns ``results``."""
+    inputs = ", ".join(map(str, list(inspect.signature(forward).parameters.values())[1:]))
+    fn = f":func:`lnlib.{lnlib_forward}`"
+    args = f"{_CTX}\n{inputs}\n    The arguments of ``apply``, as the class describes them."
+    out = f"{results} : torch.Tensor\n    The results of ``apply``, as the class describes them."
+    forward.__doc__ = STEP.format(
+        f"Run {fn} on the tensors' memory; save what the backward needs.", args, out, "", fn
+    )
+    if cls.__doc__:  # None under python -OO
+        shown = f"({results})" if "," in results else results
+        axes = " over the last ``normalized_ndim`` axes" * ("normalized_ndim" in inputs)
+        text = f"``apply({inputs.replace(', *weight_offset', '[, weight_offset]')})`` returns "
+        text += f"``{shown}`` of {fn}{axes}; its backward is "
+        text += f":func:`lnlib.{name}_backward`. {inspect.cleandoc(cls.__doc__)}"
+        # "Covered in" on one line, as the gate of the book's cross-references reads it
+        text = text.replace("Covered in", "Covered\xa0in")
+        text = textwrap.fill(text, 96, break_on_hyphens=False).replace("\xa0", " ")
+        summary = f"The autograd function of :func:`{name}`, its forward and backward lnlib's."
+        cls.__doc__ = f"{summary}\n\n{text}"

@@ -9,7 +9,8 @@ remembers what its last :meth:`forward` saved. A forward/backward pair is one st
 
 import numpy as np
 
-from ._docs import DYT, ENTRIES, RMS, parameters, step
+from . import _docs
+from ._docs import DYT, ENTRIES, RMS, parameters
 from ._validate import normalized_shape_value, weight_offset_value
 from .ada_norm import (
     ada_layer_norm_backward,
@@ -32,28 +33,6 @@ from .rms_norm import rms_norm_backward, rms_norm_forward
 
 __all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh"]
 __all__ += ["AddLayerNorm", "AddRMSNorm"]
-
-_X = "x : ndarray\n    Shape ``{}``, floating."
-_NO_FORWARD = "RuntimeError\n    No forward has been run.\n"
-
-
-def _forward_doc(fn, shape, result, inputs=_X, outputs="y : ndarray, shape and dtype of ``x``"):
-    """The docstring of a layer's ``forward`` through the lnlib function ``fn``: by default from
-    ``x`` of ``shape`` to ``y``, which is ``result``."""
-    return step(f"Compute the layer with :func:`lnlib.{fn}`; save what backward needs.",
-                inputs.format(shape),
-                f"{outputs}\n    {result}", f":func:`lnlib.{fn}`")  # fmt: skip
-
-
-def _backward_doc(fn, stored, dh="", outputs="dx : ndarray, shape and dtype of ``x``", to=""):
-    """The docstring of a layer's ``backward`` through the lnlib function ``fn``: by
-    default from ``dy`` to ``dx``, with ``dh`` (the entry of a second gradient) after ``dy``."""
-    summary = f"Backward of the last :meth:`forward` (:func:`lnlib.{fn}`); also stores {stored}."
-    dy = "dy : ndarray, shape of the last forward's ``x``\n    Gradient of the loss with respect "
-    dy += "to the last forward's output" + (" ``y``." if dh else ".") + dh
-    dx = f"{outputs}\n    Gradient of the loss with respect to the last forward's input{to}."
-    return step(summary, dy, dx, f":func:`lnlib.{fn}`", _NO_FORWARD)
-
 
 _params, _rms_params = parameters(ENTRIES), parameters({**ENTRIES, **RMS})
 
@@ -89,20 +68,29 @@ class _Layer:
 
 
 def _affine(held):
-    """The fills of a weight (ones) and a bias (zeros), held or not."""
+    """The fills of a weight (ones) and a bias (zeros), held or not (here and in the torch
+    modules of :mod:`lnlib.torch_bridge`)."""
     return {"weight": 1.0 if held else None, "bias": 0.0 if held else None}
 
 
+def _norm_setup(layer, normalized_shape, eps, affine, weight_offset, bias=None):
+    """What a LayerNorm or RMSNorm (and their fused forms), NumPy layer or torch module, does
+    first: check and set the normalized shape, ``eps`` and the offset; return the fills of the
+    weight (``1 - weight_offset``) and, unless ``bias`` is None (RMSNorm has none), the bias."""
+    layer.normalized_shape, layer.eps = normalized_shape_value(normalized_shape), eps
+    layer.weight_offset = weight_offset_value(weight_offset, True if affine else None)
+    fills = {"weight": 1 - layer.weight_offset if affine else None}
+    if bias is not None:
+        fills["bias"] = 0.0 if affine and bias else None
+    return fills
+
+
 class _Norm(_Layer):
-    """What LayerNorm and RMSNorm (and their fused forms) share: the normalized shape, ``eps``,
-    the checked offset, the weight (``1 - weight_offset``) and the bias unless None."""
+    """What LayerNorm and RMSNorm (and their fused forms) share: :func:`_norm_setup`, then the
+    parameters held."""
 
     def _setup(self, normalized_shape, eps, affine, dtype, weight_offset, bias=None):
-        self.normalized_shape, self.eps = normalized_shape_value(normalized_shape), eps
-        self.weight_offset = weight_offset_value(weight_offset, True if affine else None)
-        fills = {"weight": 1 - self.weight_offset if affine else None}
-        if bias is not None:
-            fills["bias"] = 0.0 if affine and bias else None
+        fills = _norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
         self._hold(self.normalized_shape, dtype, **fills)
 
     def _kw(self):
@@ -120,13 +108,15 @@ class LayerNorm(_Norm):
                  dtype=np.float32, *, weight_offset=0.0):  # fmt: skip
         self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset, bias)
 
-    @_forward_doc("layer_norm_forward", "(*lead, *normalized_shape)", "The normalized input.")
+    @_docs.layer_forward(
+        "layer_norm_forward", "(*lead, *normalized_shape)", "The normalized input."
+    )
     def forward(self, x):
         y, *stats = layer_norm_forward(x, self.weight, self.bias, eps=self.eps, **self._kw())
         self._saved = (x, *stats)
         return y
 
-    @_backward_doc("layer_norm_backward", "``dweight`` and ``dbias``")
+    @_docs.layer_backward("layer_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
         offset = self.weight_offset
         return self._keep(
@@ -145,13 +135,13 @@ class RMSNorm(_Norm):
                  *, weight_offset=0.0):  # fmt: skip
         self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset)
 
-    @_forward_doc("rms_norm_forward", "(*lead, *normalized_shape)", "The rescaled input.")
+    @_docs.layer_forward("rms_norm_forward", "(*lead, *normalized_shape)", "The rescaled input.")
     def forward(self, x):
         y, rstd = rms_norm_forward(x, self.weight, eps=self.eps, **self._kw())
         self._saved = (x, rstd)
         return y
 
-    @_backward_doc("rms_norm_backward", "``dweight``")
+    @_docs.layer_backward("rms_norm_backward", "``dweight``")
     def backward(self, dy):
         offset = self.weight_offset
         return self._keep(*rms_norm_backward(dy, *self._take(), self.weight, weight_offset=offset))
@@ -319,7 +309,7 @@ class BatchNorm(_Layer):
         """
         return self.train(False)
 
-    @_forward_doc("batch_norm_forward", "(N, C, ...)", "The normalized input.")
+    @_docs.layer_forward("batch_norm_forward", "(N, C, ...)", "The normalized input.")
     def forward(self, x):
         state = (self.running_mean, self.running_var, self.weight, self.bias)
         y, mean, rstd = batch_norm_forward(
@@ -328,7 +318,7 @@ class BatchNorm(_Layer):
         self._saved = (x, mean, rstd, self.training)
         return y
 
-    @_backward_doc("batch_norm_backward", "``dweight`` and ``dbias``")
+    @_docs.layer_backward("batch_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
         x, mean, rstd, training = self._take()
         return self._keep(*batch_norm_backward(dy, x, mean, rstd, self.weight, training=training))
@@ -350,13 +340,13 @@ class GroupNorm(_Layer):
             )
         self._hold(self.num_channels, dtype, **_affine(affine))
 
-    @_forward_doc("group_norm_forward", "(N, C, ...)", "The normalized input.")
+    @_docs.layer_forward("group_norm_forward", "(N, C, ...)", "The normalized input.")
     def forward(self, x):
         y, mean, rstd = group_norm_forward(x, self.num_groups, self.weight, self.bias, eps=self.eps)
         self._saved = (x, mean, rstd)
         return y
 
-    @_backward_doc("group_norm_backward", "``dweight`` and ``dbias``")
+    @_docs.layer_backward("group_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
         x, mean, rstd = self._take()
         return self._keep(*group_norm_backward(dy, x, mean, rstd, self.num_groups, self.weight))
@@ -389,32 +379,16 @@ class DynamicTanh(_Layer):
         self._hold((), dtype, alpha=alpha_init)
         self._hold(self.normalized_shape, dtype, **_affine(elementwise_affine))
 
-    @_forward_doc("dynamic_tanh", "(..., D)", "``weight * tanh(alpha * x) + bias``.")
+    @_docs.layer_forward("dynamic_tanh", "(..., D)", "``weight * tanh(alpha * x) + bias``.")
     def forward(self, x):
         y = dynamic_tanh(x, self.alpha, self.weight, self.bias)
         self._saved = (x,)
         return y
 
-    @_backward_doc("dynamic_tanh_backward", "``dalpha``, ``dweight``, ``dbias``")
+    @_docs.layer_backward("dynamic_tanh_backward", "``dalpha``, ``dweight``, ``dbias``")
     def backward(self, dy):
         (x,) = self._take()
         return self._keep(*dynamic_tanh_backward(dy, x, self.alpha, self.weight))
-
-
-# The fused layers' forward takes x and residual and returns y and h; their backward takes dy
-# and dh and returns the one gradient of x and residual.
-_ADD_FORWARD = (
-    "(*lead, *normalized_shape)",
-    "The normalized ``h`` (dtype of ``x``) and ``h = residual + x`` (``residual_dtype``).",
-    "x, residual : ndarray\n    Shape ``{}``, floating; the two dtypes may differ.",
-    "y, h : ndarray, shape of ``x``",
-)
-_ADD_BACKWARD = (
-    "\ndh : ndarray, shape of ``x``, optional\n    Gradient with respect to ``h``, arriving "
-    "along the residual stream (None: zero).",
-    "dsum : ndarray, shape and dtype of ``h``",
-    "s ``x`` and ``residual`` alike",
-)
 
 
 @_params
@@ -431,7 +405,7 @@ class AddLayerNorm(LayerNorm):
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
 
-    @_forward_doc("add_layer_norm_forward", *_ADD_FORWARD)
+    @_docs.layer_forward("add_layer_norm_forward", *_docs.ADD_FORWARD)
     def forward(self, x, residual):
         kw, params = self._kw(), (self.weight, self.bias)
         y, h, *stats = add_layer_norm_forward(
@@ -440,7 +414,9 @@ class AddLayerNorm(LayerNorm):
         self._saved = (h, *stats, kw)
         return y, h
 
-    @_backward_doc("add_layer_norm_backward", "``dweight`` and ``dbias``", *_ADD_BACKWARD)
+    @_docs.layer_backward(
+        "add_layer_norm_backward", "``dweight`` and ``dbias``", *_docs.ADD_BACKWARD
+    )
     def backward(self, dy, dh=None):
         *saved, kw = self._take()
         return self._keep(*add_layer_norm_backward(dy, dh, *saved, self.weight, **kw))
@@ -458,7 +434,7 @@ class AddRMSNorm(RMSNorm):
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
 
-    @_forward_doc("add_rms_norm_forward", *_ADD_FORWARD)
+    @_docs.layer_forward("add_rms_norm_forward", *_docs.ADD_FORWARD)
     def forward(self, x, residual):
         kw = self._kw()
         y, h, rstd = add_rms_norm_forward(
@@ -467,7 +443,7 @@ class AddRMSNorm(RMSNorm):
         self._saved = (h, rstd, kw)
         return y, h
 
-    @_backward_doc("add_rms_norm_backward", "``dweight``", *_ADD_BACKWARD)
+    @_docs.layer_backward("add_rms_norm_backward", "``dweight``", *_docs.ADD_BACKWARD)
     def backward(self, dy, dh=None):
         *saved, kw = self._take()
         return self._keep(*add_rms_norm_backward(dy, dh, *saved, self.weight, **kw))

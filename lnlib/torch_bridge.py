@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import inspect
-import textwrap
 
 import numpy as np
 import torch
@@ -35,6 +33,7 @@ from torch import nn
 
 import lnlib
 from lnlib import _docs, _validate
+from lnlib.layers import _affine, _norm_setup
 
 __all__ = ["layer_norm", "rms_norm", "group_norm", "dynamic_tanh"]
 __all__ += ["LayerNormFunction", "RMSNormFunction", "GroupNormFunction", "DynamicTanhFunction"]
@@ -165,10 +164,6 @@ def _backward(ctx, dy, *grads):
     return tuple(grads)
 
 
-_CTX = """ctx : torch.autograd.function.FunctionCtx
-    Torch's context object, where the forward saves what the backward needs."""
-
-
 def _function(name, results):
     """Class decorator, the one pattern of every Function here: its ``forward(ctx, x, ...)``
     runs where lnlib works on ``x`` and returns through :func:`_finish`; the tensors among the
@@ -187,26 +182,7 @@ def _function(name, results):
             with _stream_of(x):
                 return forward(ctx, x, *args)
 
-        inputs = ", ".join(map(str, list(inspect.signature(forward).parameters.values())[1:]))
-        fn = f":func:`lnlib.{lnlib_forward}`"
-        args = f"{_CTX}\n{inputs}\n    The arguments of ``apply``, as the class describes them."
-        out = (
-            f"{results} : torch.Tensor\n    The results of ``apply``, as the class describes them."
-        )
-        run.__doc__ = _docs.STEP.format(
-            f"Run {fn} on the tensors' memory; save what the backward needs.", args, out, "", fn
-        )
-        if cls.__doc__:  # None under python -OO
-            shown = f"({results})" if "," in results else results
-            axes = " over the last ``normalized_ndim`` axes" * ("normalized_ndim" in inputs)
-            text = f"``apply({inputs.replace(', *weight_offset', '[, weight_offset]')})`` returns "
-            text += f"``{shown}`` of :func:`lnlib.{lnlib_forward}`{axes}; its backward is "
-            text += f":func:`lnlib.{name}_backward`. {inspect.cleandoc(cls.__doc__)}"
-            # "Covered in" on one line, as the gate of the book's cross-references reads it
-            text = text.replace("Covered in", "Covered\xa0in")
-            text = textwrap.fill(text, 96, break_on_hyphens=False).replace("\xa0", " ")
-            summary = f"The autograd function of :func:`{name}`, its forward and backward lnlib's."
-            cls.__doc__ = f"{summary}\n\n{text}"
+        _docs.function(cls, run, name, lnlib_forward, results)
         cls.forward, cls.backward = staticmethod(run), staticmethod(_backward)
         return cls
 
@@ -373,30 +349,7 @@ def _norm(function, x, normalized_shape, params, eps, weight_offset, *fused):
     return results[:2] if fused else results[0]
 
 
-#: What the parameters of the functions and modules below mean, by name (:func:`_docs.parameters`).
-_RESIDUAL_DTYPE = """residual_dtype : torch.dtype or None, default None
-    Keyword only. The dtype ``h = residual + x`` is stored in (None: that of ``residual``;
-    float32 for a float16 ``x`` keeps the stream in float32)."""
-_RMS_EPS = """eps : float or None, default None
-    Added to the mean square inside the square root; None means ``torch.finfo(x.dtype).eps``
-    (of the dtype of ``h`` for the fused add), as in PyTorch."""
-_ARGS = {
-    **_docs.ENTRIES,
-    "x": """x : torch.Tensor, shape ``(..., *normalized_shape)``, float16/bfloat16/float32/float64
-    Input, on the CPU or a CUDA device.""",
-    "residual": """residual : torch.Tensor, shape of ``x``, floating
-    The residual stream (``x`` is the sublayer's output), on the device of ``x``; the dtypes
-    of the two may differ.""",
-    "weight": """weight : torch.Tensor of shape ``normalized_shape`` or None, default None
-    The scale (gain) :math:`\\gamma`, on the device of ``x``.""",
-    "bias": """bias : torch.Tensor of shape ``normalized_shape`` or None, default None
-    The bias :math:`\\beta`, on the device of ``x``.""",
-    "weight_offset": """weight_offset : float, default {default}
-    Keyword only: the scale is ``weight_offset + weight`` (1.0: the zero-centred gain, as in
-    Gemma's RMSNorm).""",
-    "residual_dtype": _RESIDUAL_DTYPE,
-}
-_args = _docs.parameters(_ARGS)
+_args = _docs.parameters(_docs.TORCH)
 
 
 @_args
@@ -419,7 +372,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_
     return _norm(LayerNormFunction, x, normalized_shape, (weight, bias), eps, weight_offset)
 
 
-@_docs.parameters(_ARGS, eps=_RMS_EPS)
+@_docs.parameters(_docs.TORCH, eps=_docs.TORCH_RMS_EPS)
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
     r"""RMSNorm of a tensor through lnlib, like ``torch.nn.functional.rms_norm``.
 
@@ -527,13 +480,11 @@ def add_layer_norm(
         ``normalized_shape``, ``residual_dtype`` not a floating dtype; otherwise as
         :func:`lnlib.add_layer_norm_forward` (``residual`` not of the shape of ``x``, ...).
     """
-    fused = (residual, residual_dtype)
-    return _norm(
-        AddLayerNormFunction, x, normalized_shape, (weight, bias), eps, weight_offset, *fused
-    )
+    params, fused = (weight, bias), (residual, residual_dtype)
+    return _norm(AddLayerNormFunction, x, normalized_shape, params, eps, weight_offset, *fused)
 
 
-@_docs.parameters(_ARGS, eps=_RMS_EPS)
+@_docs.parameters(_docs.TORCH, eps=_docs.TORCH_RMS_EPS)
 def add_rms_norm(
     x, residual, normalized_shape, weight=None, eps=None, *, weight_offset=0.0,
     residual_dtype=None,
@@ -563,46 +514,8 @@ def _learn(module, shape, device, dtype, **fills):
         module.register_parameter(name, None if value is None else nn.Parameter(value))
 
 
-def _affine(learned):
-    """The fills of a weight (ones) and a bias (zeros), learned or not."""
-    return {"weight": 1.0 if learned else None, "bias": 0.0 if learned else None}
-
-
-_MODULE_STEPS = {  # a module's forward: what it computes, from what, to what
-    False: ("the layer", "x : torch.Tensor\n    Input, floating, on the device of the "
-            "parameters (CPU or CUDA).", "torch.Tensor\n    Shape and dtype of ``x``"),
-    True: ("``h = residual + x`` and the layer on ``h``", "x, residual : torch.Tensor\n    The "
-           "sublayer's output and the residual stream, one shape, on the parameters' device.",
-           "y, h : torch.Tensor\n    The normalized ``h`` (dtype of ``x``) and ``h`` itself"),
-}  # fmt: skip
-
-
-def _module_forward(fn, fused=False):
-    """The docstring of a module's ``forward`` through ``fn``: from ``x`` to ``y``, or
-    (``fused``) from ``x`` and ``residual`` to ``y`` and ``h``."""
-    what, x, y = _MODULE_STEPS[fused]
-    return _docs.step(f"Compute {what} with :func:`{fn}`.", x, f"{y}; differentiable (once).",
-                      f":func:`{fn}`")  # fmt: skip
-
-
-_EXTRA_REPR = r"""The constructor arguments shown by ``repr(module)``, as in {0}.
-
-        Returns
-        -------
-        str
-            E.g. the normalized shape, ``eps`` and whether parameters are learned.
-        """
-
-_MODULE = {
-    **_docs.ENTRIES,
-    "device": """device : torch.device or None, default None
-    Device of the parameters (None: torch's default).""",
-    "dtype": """dtype : torch.dtype or None, default None
-    Dtype of the parameters (None: torch's default).""",
-    "residual_dtype": _RESIDUAL_DTYPE,
-}
-_module = _docs.parameters(_MODULE)
-_rms_module = _docs.parameters({**_MODULE, **_docs.RMS, "eps": _RMS_EPS})
+_module = _docs.parameters(_docs.TORCH_MODULE)
+_rms_module = _docs.parameters({**_docs.TORCH_MODULE, **_docs.RMS, "eps": _docs.TORCH_RMS_EPS})
 
 
 class _Norm(nn.Module):
@@ -613,12 +526,8 @@ class _Norm(nn.Module):
 
     def __init__(self, normalized_shape, eps, affine, weight_offset, device, dtype, bias=None):
         super().__init__()
-        self.normalized_shape = _validate.normalized_shape_value(normalized_shape)
-        self.eps, self.elementwise_affine = eps, affine
-        self.weight_offset = _validate.weight_offset_value(weight_offset, True if affine else None)
-        fills = {"weight": 1.0 - self.weight_offset if affine else None}
-        if bias is not None:
-            fills["bias"] = 0.0 if affine and bias else None
+        self.elementwise_affine = affine
+        fills = _norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
         _learn(self, self.normalized_shape, device, dtype, **fills)
 
     def reset_parameters(self):
@@ -636,7 +545,7 @@ class _Norm(nn.Module):
         if getattr(self, "bias", None) is not None:
             nn.init.zeros_(self.bias)
 
-    @_docs.doc(_EXTRA_REPR, "``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``")
+    @_docs.doc(_docs.EXTRA_REPR, "``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``")
     def extra_repr(self):
         return (
             f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -664,7 +573,7 @@ class LayerNorm(_Norm):
     # named here too, so that the numpydoc gate sees them as this class's own
     reset_parameters, extra_repr = _Norm.reset_parameters, _Norm.extra_repr
 
-    @_module_forward("layer_norm")
+    @_docs.module_forward("layer_norm")
     def forward(self, x):
         return self._apply_norm(layer_norm, x)
 
@@ -682,7 +591,7 @@ class RMSNorm(_Norm):
 
     reset_parameters, extra_repr = _Norm.reset_parameters, _Norm.extra_repr
 
-    @_module_forward("rms_norm")
+    @_docs.module_forward("rms_norm")
     def forward(self, x):
         return self._apply_norm(rms_norm, x)
 
@@ -704,16 +613,16 @@ class GroupNorm(nn.Module):
         self.affine = affine
         _learn(self, (num_channels,), device, dtype, **_affine(affine))
 
-    @_module_forward("group_norm")
+    @_docs.module_forward("group_norm")
     def forward(self, x):
         return group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
 
-    @_docs.doc(_EXTRA_REPR, "``torch.nn.GroupNorm``")
+    @_docs.doc(_docs.EXTRA_REPR, "``torch.nn.GroupNorm``")
     def extra_repr(self):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
 
 
-@_docs.parameters({**_MODULE, **_docs.DYT})
+@_docs.parameters({**_docs.TORCH_MODULE, **_docs.DYT})
 class DynamicTanh(nn.Module):
     r"""Dynamic Tanh layer (DyT), a drop-in for a LayerNorm over the last axis.
 
@@ -735,11 +644,11 @@ class DynamicTanh(nn.Module):
         self.elementwise_affine = elementwise_affine
         _learn(self, self.normalized_shape, device, dtype, **_affine(elementwise_affine))
 
-    @_module_forward("dynamic_tanh")
+    @_docs.module_forward("dynamic_tanh")
     def forward(self, x):
         return dynamic_tanh(x, self.alpha, self.weight, self.bias)
 
-    @_docs.doc(_EXTRA_REPR, "DyT's reference code")
+    @_docs.doc(_docs.EXTRA_REPR, "DyT's reference code")
     def extra_repr(self):
         return f"{self.normalized_shape}, elementwise_affine={self.elementwise_affine}"
 
@@ -757,7 +666,7 @@ class AddLayerNorm(LayerNorm):
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
 
-    @_module_forward("add_layer_norm", fused=True)
+    @_docs.module_forward("add_layer_norm", fused=True)
     def forward(self, x, residual):
         return self._apply_norm(add_layer_norm, x, residual, residual_dtype=self.residual_dtype)
 
@@ -775,6 +684,6 @@ class AddRMSNorm(RMSNorm):
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
 
-    @_module_forward("add_rms_norm", fused=True)
+    @_docs.module_forward("add_rms_norm", fused=True)
     def forward(self, x, residual):
         return self._apply_norm(add_rms_norm, x, residual, residual_dtype=self.residual_dtype)
