@@ -147,11 +147,11 @@ def add_layer_norm(
 
     .. math::
 
-        h = r + x, \qquad y = \mathrm{LN}(h) = \frac{h - \mu}{\sqrt{\sigma^2 + \epsilon}}\,
+        h = h_\ell + x, \qquad y = \mathrm{LN}(h) = \frac{h - \mu}{\sqrt{\sigma^2 + \epsilon}}\,
         \gamma + \beta ,
 
-    with :math:`r` the residual stream and :math:`\mu`, :math:`\sigma^2` the statistics of each
-    row of :math:`h` as stored.
+    with :math:`h_\ell` (``residual``) the residual stream and :math:`\mu`, :math:`\sigma^2` the
+    statistics of each row of :math:`h` as stored.
 
     Parameters
     ----------
@@ -206,9 +206,10 @@ def add_layer_norm_forward(
 ):
     r"""The residual add and layer normalization forward, returning what the backward needs.
 
-    :math:`h = r + x` (:math:`r` the residual stream), then :func:`lnlib.layer_norm_forward`
-    of :math:`h`: each row of :math:`h` as stored is standardized with its own mean and biased
-    variance, scaled by :math:`\gamma` and shifted by :math:`\beta`.
+    :math:`h = h_\ell + x` (:math:`h_\ell`, ``residual``, the residual stream), then
+    :func:`lnlib.layer_norm_forward` of :math:`h`: each row of :math:`h` as stored is
+    standardized with its own mean and biased variance, scaled by :math:`\gamma` and shifted by
+    :math:`\beta`.
 
     Parameters
     ----------
@@ -285,10 +286,11 @@ def add_layer_norm_backward(
 
     .. math::
 
-        d\!\operatorname{sum} = dh + \mathrm{rstd}\,\Big(g - \overline{g} - \hat{h}\;
-        \overline{g\hat{h}}\Big), \qquad g = dy\,\gamma,\quad \hat{h} = (h - \mu)\,\mathrm{rstd},
+        d\!\operatorname{sum} = dh + r\,\Big(g - \overline{g} - \hat{h}\;
+        \overline{g\hat{h}}\Big), \qquad g = dy\,\gamma,\quad \hat{h} = (h - \mu)\,r,
 
-    and since :math:`h = r + x`, it is the gradient of ``x`` and of ``residual`` alike.
+    with :math:`r` (``rstd``) the reciprocal standard deviation of the row, and since
+    :math:`h = h_\ell + x`, it is the gradient of ``x`` and of ``residual`` alike.
 
     Parameters
     ----------
@@ -360,7 +362,7 @@ def add_rms_norm(
 
     .. math::
 
-        h = r + x, \qquad y = \frac{h}{\sqrt{\overline{h^2} + \epsilon}}\,\gamma .
+        h = h_\ell + x, \qquad y = \frac{h}{\sqrt{\overline{h^2} + \epsilon}}\,\gamma .
 
     Parameters
     ----------
@@ -411,7 +413,8 @@ def add_rms_norm_forward(
 ):
     r"""The residual add and RMS normalization forward, returning what the backward needs.
 
-    :math:`h = r + x`, then :func:`lnlib.rms_norm_forward` of :math:`h` as stored.
+    :math:`h = h_\ell + x` (:math:`h_\ell`, ``residual``), then :func:`lnlib.rms_norm_forward`
+    of :math:`h` as stored.
 
     Parameters
     ----------
@@ -476,8 +479,10 @@ def add_rms_norm_backward(
 
     .. math::
 
-        d\!\operatorname{sum} = dh + \mathrm{rstd}\,\big(g - \hat{h}\;\overline{g\hat{h}}\big),
-        \qquad g = dy\,\gamma,\quad \hat{h} = h\,\mathrm{rstd}.
+        d\!\operatorname{sum} = dh + r\,\big(g - \hat{h}\;\overline{g\hat{h}}\big),
+        \qquad g = dy\,\gamma,\quad \hat{h} = h\,r,
+
+    with :math:`r` (``rstd``) the reciprocal root mean square of the row.
 
     Parameters
     ----------

@@ -16,7 +16,7 @@ __all__ = ["batch_norm", "batch_norm_forward", "batch_norm_backward"]
 def batch_norm(
     x, running_mean, running_var, weight=None, bias=None, *, training, momentum=0.1, eps=1e-5
 ):
-    r"""Batch normalization of ``x`` (N, C, ...); returns ``y`` only.
+    r"""Batch normalization of ``x`` (B, C, ...); returns ``y`` only.
 
     .. math::
 
@@ -27,7 +27,7 @@ def batch_norm(
 
     Parameters
     ----------
-    x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, ...)``
         Input; each channel is normalized over every axis but axis 1. Never modified.
     running_mean, running_var : ndarray of shape ``(C,)``, or None
         Running statistics, updated in place in training; required in evaluation.
@@ -61,13 +61,13 @@ def batch_norm(
 
 
 def _channel_view(x):
-    """``x`` (N, C, ...) as (N, C, L): channel statistics are then over axes 0 and 2."""
+    """``x`` (B, C, ...) as (B, C, L): channel statistics are then over axes 0 and 2."""
     return x.reshape(x.shape[0], x.shape[1], -1)
 
 
 def _check_channels(x):
     if x.ndim < 2:
-        raise ValueError(f"x must have shape (N, C, ...) with at least 2 axes, got {x.shape}")
+        raise ValueError(f"x must have shape (B, C, ...) with at least 2 axes, got {x.shape}")
     if x.shape[1] == 0:
         raise ValueError(f"x must have at least one channel (axis 1), got shape {x.shape}")
     if x.size == 0:
@@ -154,7 +154,7 @@ def batch_norm_forward(
 ):
     r"""Batch normalization forward pass, like ``torch.nn.functional.batch_norm``.
 
-    For ``x`` of shape ``(N, C, ...)`` each channel :math:`c` is normalized with statistics
+    For ``x`` of shape ``(B, C, ...)`` each channel :math:`c` is normalized with statistics
     over every other axis (the batch and any spatial axes), :math:`m` values in all:
 
     .. math::
@@ -170,7 +170,7 @@ def batch_norm_forward(
 
     Parameters
     ----------
-    x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, ...)``
         Input; each channel is normalized over every axis but axis 1. Never modified.
     running_mean, running_var : ndarray of shape ``(C,)``, or None
         Running statistics, updated in place in training (None there: no update);
@@ -221,14 +221,14 @@ def batch_norm_forward(
         x, running_mean, running_var, weight, bias, training, momentum, eps, xp
     )
     acc = accumulation_dtype(x.dtype)
-    x3 = _channel_view(x)  # (N, C, L)
+    x3 = _channel_view(x)  # (B, C, L)
     if training:
         mean, var = _channel_stats(x3, acc, xp)  # (C,), (C,)
     else:
         mean, var = running_mean.astype(acc), running_var.astype(acc)  # (C,), (C,)
     rstd = 1 / xp.sqrt(var + acc.type(eps))  # (C,)
     scale = rstd if weight is None else rstd * weight.astype(acc)  # (C,)
-    y3 = xp.empty(x3.shape, dtype=x.dtype)  # (N, C, L)
+    y3 = xp.empty(x3.shape, dtype=x.dtype)  # (B, C, L)
     for b in _blocks(x3.shape):
         t = x3[b].astype(acc)  # one block, (n, C, l)
         t -= mean[:, None]
@@ -248,13 +248,14 @@ def batch_norm_forward(
 def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     r"""Batch normalization backward pass.
 
-    With :math:`\hat{x} = (x - \mu_c)\,\mathrm{rstd}_c`, :math:`g = dy\,\gamma_c` and bars
+    With :math:`\hat{x} = (x - \mu_c)\,r_c` (:math:`r_c` is channel :math:`c`'s ``rstd``),
+    :math:`g = dy\,\gamma_c` and bars
     for means over the :math:`m` values of a channel:
 
     .. math::
 
-        dx = \mathrm{rstd}_c\,\big(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\big)
-        \quad\text{(training)}, \qquad dx = \mathrm{rstd}_c\,g \quad\text{(evaluation)},
+        dx = r_c\,\big(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\big)
+        \quad\text{(training)}, \qquad dx = r_c\,g \quad\text{(evaluation)},
 
     and :math:`d\gamma_c = \sum dy\,\hat{x}`, :math:`d\beta_c = \sum dy`.
 
@@ -262,7 +263,7 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     ----------
     dy : ndarray, shape of ``x``
         Gradient of the loss with respect to ``y``.
-    x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, ...)``
         The forward input.
     mean, rstd : ndarray, shape ``(C,)``
         As returned by :func:`batch_norm_forward`.
@@ -297,7 +298,7 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     acc = accumulation_dtype(x.dtype)  # also for statistics saved in another dtype
     mean, rstd = mean.astype(acc, copy=False), rstd.astype(acc, copy=False)  # (C,), (C,)
     w = xp.ones_like(mean) if weight is None else weight.astype(acc)  # (C,)
-    x3, dy3 = _channel_view(x), _channel_view(dy)  # (N, C, L)
+    x3, dy3 = _channel_view(x), _channel_view(dy)  # (B, C, L)
     sum_dy = xp.zeros(x3.shape[1], dtype=np.float64)  # (C,)
     sum_dy_xhat = xp.zeros(x3.shape[1], dtype=np.float64)  # (C,)
     for b in _blocks(x3.shape):
@@ -307,7 +308,7 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
         sum_dy += dy3[b].sum(axis=(0, 2), dtype=np.float64)
     m = x3.shape[0] * x3.shape[2]
     means = ((w * (sum_dy / m))[:, None], (w * (sum_dy_xhat / m))[:, None])  # (C, 1) each
-    dx3 = xp.empty(x3.shape, dtype=x.dtype)  # (N, C, L)
+    dx3 = xp.empty(x3.shape, dtype=x.dtype)  # (B, C, L)
     for b in _blocks(x3.shape):
         g = dy3[b].astype(acc) * w[:, None]  # (n, C, l)
         if training:
@@ -329,7 +330,7 @@ _BLOCK = 1 << 16
 
 
 def _blocks(shape):
-    """Index tuples of blocks of about ``_BLOCK`` elements covering an (N, C, L) array.
+    """Index tuples of blocks of about ``_BLOCK`` elements covering an (B, C, L) array.
 
     Fixed by the shape alone, so every sum over blocks is added in the same order each time.
     """
@@ -354,7 +355,7 @@ def _xhat(x_block, mean, rstd, acc):
 
 
 def _channel_stats(x3, acc, xp):
-    """Mean and biased variance per channel of ``x3`` (N, C, L): a corrected two-pass.
+    """Mean and biased variance per channel of ``x3`` (B, C, L): a corrected two-pass.
 
     Each block is summed in float64 and the block totals added in float64, in a fixed order;
     the second pass sums the deviations from the first mean (which corrects its rounding)

@@ -93,9 +93,9 @@ def partial_moments(x):
     -------
     count : int
         ``D_k``.
-    mean : ndarray, shape (N,)
+    mean : ndarray, shape (B,)
         Row means of the shard, in float64 for float64 input, else float32.
-    m2 : ndarray, shape (N,)
+    m2 : ndarray, shape (B,)
         :math:`\sum_j (x_j - \text{mean})^2` per row (two passes).
 
     Notes
@@ -104,9 +104,9 @@ def partial_moments(x):
     """
     acc = accumulation_dtype(x.dtype)
     xa = np.asarray(x, dtype=acc)  # (N, D_k)
-    mean = xa.mean(axis=-1)  # (N,)
+    mean = xa.mean(axis=-1)  # (B,)
     xc = xa - mean[:, None]  # (N, D_k)
-    m2 = np.einsum("ij,ij->i", xc, xc)  # (N,)
+    m2 = np.einsum("ij,ij->i", xc, xc)  # (B,)
     return x.shape[-1], mean, m2
 
 
@@ -126,18 +126,18 @@ def merge_moments(counts, means, m2s):
     ----------
     counts : sequence of int, length P
         Number of elements in each shard (positive).
-    means : sequence of arrays, each of shape (N,)
+    means : sequence of arrays, each of shape (B,)
         Mean of each shard, per row.
-    m2s : sequence of arrays, each of shape (N,)
+    m2s : sequence of arrays, each of shape (B,)
         Sum of squared deviations from the shard mean, per row.
 
     Returns
     -------
     count : int
         Total number of elements, the sum of ``counts``.
-    mean : ndarray, shape (N,)
+    mean : ndarray, shape (B,)
         Mean of the merged rows.
-    m2 : ndarray, shape (N,)
+    m2 : ndarray, shape (B,)
         Sum of squared deviations of the merged rows; the variance (biased) is
         ``m2 / count``.
 
@@ -281,7 +281,7 @@ def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=Non
     -------
     y : torch.Tensor, shape (N, D_k)
         This rank's columns of the output.
-    mean, rstd : torch.Tensor, shape (N,)
+    mean, rstd : torch.Tensor, shape (B,)
         Statistics of the whole rows, bit-identical on every rank.
 
     Notes
@@ -297,7 +297,7 @@ def sharded_layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, group=Non
     local = torch.from_numpy(np.stack([mean_r, m2_r], axis=1))  # (N, 2)
     parts = [p.numpy() for p in _gather_rows(local, group)]
     D, mean, m2 = merge_moments(counts, [p[:, 0] for p in parts], [p[:, 1] for p in parts])
-    rstd = 1.0 / np.sqrt(m2 / D + eps)  # (N,)
+    rstd = 1.0 / np.sqrt(m2 / D + eps)  # (B,)
     acc = mean.dtype
     y = (xn.astype(acc, copy=False) - mean[:, None]) * rstd[:, None]  # (N, D_k)
     if weight is not None:
@@ -318,7 +318,7 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
     ----------
     dy, x : torch.Tensor, shape (N, D_k)
         This rank's columns of the output gradient and of the input.
-    mean, rstd : torch.Tensor, shape (N,)
+    mean, rstd : torch.Tensor, shape (B,)
         As returned by the forward.
     weight : torch.Tensor of shape (D_k,) or None
         This rank's slice of the forward gain (None: ones).
@@ -344,8 +344,8 @@ def sharded_layer_norm_backward(dy, x, mean, rstd, weight=None, *, group=None):
     xn = x.detach().cpu().numpy()
     acc = accumulation_dtype(xn.dtype)
     dyn = dy.detach().cpu().numpy().astype(acc, copy=False)  # (N, D_k)
-    meann = mean.detach().cpu().numpy().astype(acc, copy=False)  # (N,)
-    rstdn = rstd.detach().cpu().numpy().astype(acc, copy=False)  # (N,)
+    meann = mean.detach().cpu().numpy().astype(acc, copy=False)  # (B,)
+    rstdn = rstd.detach().cpu().numpy().astype(acc, copy=False)  # (B,)
     xhat = (xn.astype(acc, copy=False) - meann[:, None]) * rstdn[:, None]  # (N, D_k)
     g = dyn if weight is None else dyn * weight.detach().cpu().numpy().astype(acc)  # (N, D_k)
     local = torch.from_numpy(np.stack([g.sum(axis=1), np.einsum("ij,ij->i", g, xhat)], axis=1))

@@ -48,7 +48,7 @@ def layer_norm_dx(g, xhat, rstd, axes=None, means=None):
             (g * xhat).mean(axis=axes, keepdims=True),
         )  # (N, 1)
     g_mean, gxhat_mean = means
-    return rstd * (g - g_mean - xhat * gxhat_mean)  # (N, D)
+    return rstd * (g - g_mean - xhat * gxhat_mean)  # (B, D)
 
 
 def rms_norm_dx(g, xhat, rstd, axes):
@@ -77,4 +77,4 @@ def rms_norm_dx(g, xhat, rstd, axes):
     Covered in :doc:`/book/04_variants`, section "RMSNorm", "The backward pass".
     """
     gxhat_mean = (g * xhat).mean(axis=axes, keepdims=True)  # (N, 1)
-    return rstd * (g - xhat * gxhat_mean)  # (N, D)
+    return rstd * (g - xhat * gxhat_mean)  # (B, D)

@@ -22,7 +22,7 @@ __all__ = ["group_norm", "group_norm_backward", "group_norm_forward"]
 
 
 def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5):
-    r"""Group normalization of ``x`` (N, C, ...); returns ``y`` only.
+    r"""Group normalization of ``x`` (B, C, ...); returns ``y`` only.
 
     Each example's channels are split into G groups; a group (its C/G channels at every
     spatial position) is normalized like a LayerNorm row, then each channel :math:`j` gets
@@ -35,7 +35,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5):
 
     Parameters
     ----------
-    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, *spatial)``
         Input; never modified; any strides are accepted.
     num_groups : int
         G, a divisor of C.
@@ -63,7 +63,7 @@ def group_norm(x, num_groups, weight=None, bias=None, *, eps=1e-5):
 
 
 def _check_groups(x, num_groups):
-    """Check ``x`` is (N, C, ...) with C divisible by ``num_groups``; return G as an int."""
+    """Check ``x`` is (B, C, ...) with C divisible by ``num_groups``; return G as an int."""
     if x.ndim < 2:
         raise ValueError(f"x must have shape (N, C, ...) with at least 2 axes, got {x.shape}")
     if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
@@ -101,7 +101,7 @@ def _stat(s, name, shape, xp):
 
 
 def _rows(a, num_groups, dtype):
-    """``a`` (N, C, ...) as rows (N * G, C/G * spatial) in ``dtype`` (a view when possible).
+    """``a`` (B, C, ...) as rows (B * G, C/G * spatial) in ``dtype`` (a view when possible).
 
     The row length is given, not inferred (-1), so that an empty batch (N = 0) reshapes too.
     """
@@ -110,19 +110,19 @@ def _rows(a, num_groups, dtype):
 
 
 def _channels(a):
-    """``a`` (N, C, ...) viewed as (N, C, L), L the spatial positions (1 without spatial axes)."""
+    """``a`` (B, C, ...) viewed as (B, C, L), L the spatial positions (1 without spatial axes)."""
     return a.reshape(a.shape[0], a.shape[1], math.prod(a.shape[2:]))
 
 
 def _per_channel(p, x, dtype):
-    """A (C,) parameter shaped (C, 1) to broadcast against ``x`` viewed as (N, C, L)."""
+    """A (C,) parameter shaped (C, 1) to broadcast against ``x`` viewed as (B, C, L)."""
     return p.astype(dtype, copy=False).reshape(x.shape[1], 1)
 
 
 def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     r"""GroupNorm forward pass, like ``torch.nn.functional.group_norm``.
 
-    For ``x`` of shape ``(N, C, *spatial)`` and G groups, group :math:`\mathcal{G}` (the
+    For ``x`` of shape ``(B, C, *spatial)`` and G groups, group :math:`\mathcal{G}` (the
     :math:`k`-th, from 0) of example :math:`b` holds channels :math:`kC/G, \dots, (k+1)C/G - 1`
     at every spatial position, :math:`D = (C/G)\prod \mathrm{spatial}` values; with its mean
     :math:`\mu_{b\mathcal{G}}` and biased variance :math:`\sigma_{b\mathcal{G}}^2`,
@@ -138,7 +138,7 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
 
     Parameters
     ----------
-    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, *spatial)``
         Input; never modified; any strides are accepted. An empty batch (N = 0)
         gives empty results, as in torch.
     num_groups : int
@@ -186,7 +186,7 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     acc = accumulation_dtype(x.dtype)
     forward_rows = select("layer_norm_forward", xp)
     xhat, mean, rstd = forward_rows(_rows(x, g, acc), None, None, eps=eps)  # (N*G, D) in acc
-    y = _channels(xhat.reshape(x.shape))  # (N, C, L): a fresh array, scaled in place
+    y = _channels(xhat.reshape(x.shape))  # (B, C, L): a fresh array, scaled in place
     if weight is not None:
         y *= _per_channel(weight, x, acc)
     if bias is not None:
@@ -213,7 +213,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     ----------
     dy : ndarray, shape of ``x``
         Gradient of the loss with respect to ``y``.
-    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, *spatial)``
         The forward input.
     mean, rstd : ndarray, shape (N, G)
         As returned by :func:`group_norm_forward`; used in the accumulation dtype of ``x``.
@@ -252,7 +252,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     acc = accumulation_dtype(x.dtype)
     # the accumulation dtype is that of x, whatever dtype the statistics were saved in
     mean, rstd = (s.astype(acc, copy=False).reshape(-1) for s in (mean, rstd))
-    dya = _channels(dy.astype(acc, copy=False))  # (N, C, L)
+    dya = _channels(dy.astype(acc, copy=False))  # (B, C, L)
     gs = dya if weight is None else dya * _per_channel(weight, x, acc)
     backward_rows = select("layer_norm_backward", xp)
     dx = backward_rows(_rows(gs, g, acc), _rows(x, g, acc), mean, rstd, None)[0]

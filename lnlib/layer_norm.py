@@ -174,11 +174,12 @@ def layer_norm_forward(
 def layer_norm_backward(dy, x, mean, rstd, weight=None, *, weight_offset=0.0, out=None):
     r"""Layer normalization backward pass.
 
-    With :math:`\hat{x} = (x - \mu)\,\mathrm{rstd}` and :math:`g = dy\,\gamma`, per row
+    With :math:`\hat{x} = (x - \mu)\,r` (:math:`r` is ``rstd``) and :math:`g = dy\,\gamma`, per
+    row
 
     .. math::
 
-        dx = \mathrm{rstd}\,\Big(g - \overline{g} - \hat{x}\;\overline{g\hat{x}}\Big), \qquad
+        dx = r\,\Big(g - \overline{g} - \hat{x}\;\overline{g\hat{x}}\Big), \qquad
         d\gamma = \sum_{\text{rows}} dy\,\hat{x}, \qquad d\beta = \sum_{\text{rows}} dy,
 
     where a bar is the mean over the normalized axes. This is the exact gradient of

@@ -61,11 +61,12 @@ def _xhat_from_output(y, rstd, weight, bias, name):
 def layer_norm_backward_from_output(dy, y, rstd, weight=None, bias=None):
     r"""LayerNorm backward from the output ``y`` instead of the input ``x``.
 
-    With :math:`\hat{x} = (y - \beta)/\gamma` and :math:`g = dy\,\gamma`,
+    With :math:`\hat{x} = (y - \beta)/\gamma`, :math:`g = dy\,\gamma` and :math:`r` the row's
+    ``rstd``,
 
     .. math::
 
-        dx = \mathrm{rstd}\,\bigl(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\bigr),\quad
+        dx = r\,\bigl(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\bigr),\quad
         d\gamma = \sum_{\text{rows}} dy\,\hat{x},\quad d\beta = \sum_{\text{rows}} dy .
 
     The mean is not needed at all.
@@ -112,11 +113,12 @@ def layer_norm_backward_from_output(dy, y, rstd, weight=None, bias=None):
 
 
 def rms_norm_backward_from_output(dy, y, rstd, weight=None):
-    r"""RMSNorm backward from the output: :math:`\hat{x} = y / \gamma`, then as usual,
+    r"""RMSNorm backward from the output: :math:`\hat{x} = y / \gamma`, then as usual
+    (:math:`r` the row's ``rstd``),
 
     .. math::
 
-        dx = \mathrm{rstd}\,\bigl(g - \hat{x}\,\overline{g\hat{x}}\bigr),\quad
+        dx = r\,\bigl(g - \hat{x}\,\overline{g\hat{x}}\bigr),\quad
         d\gamma = \sum_{\text{rows}} dy\,\hat{x}.
 
     Parameters

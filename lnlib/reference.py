@@ -8,10 +8,10 @@ the same as those of the public functions, but nothing is validated here. The
 formulas from :math:`\hat{x}` are those of :mod:`lnlib.formulas`, which production code uses
 too.
 
-Notation of the book: a row is one slice over the normalized axes, of ``D`` values; ``N``
+Notation of the book: a row is one slice over the normalized axes, of ``D`` values; ``B``
 rows; ``mean`` is :math:`\mu`, ``rstd`` is :math:`r = 1/\sqrt{\sigma^2 + \epsilon}`,
-``xhat`` is :math:`\hat{x} = (x - \mu)\,r`. Shapes in the comments: ``(N, D)`` stands for
-``(*lead, *norm)`` and ``(N,)`` for ``lead``.
+``xhat`` is :math:`\hat{x} = (x - \mu)\,r`. Shapes in the comments: ``(B, D)`` stands for
+``(*lead, *norm)`` and ``(B,)`` for ``lead``.
 
 Statistics are accumulated in float32 for float16/float32 inputs and in float64 for float64;
 results come back in the dtype of ``x`` (parameter gradients in the dtype of the parameter).
@@ -95,16 +95,16 @@ def layer_norm_forward(x, weight=None, bias=None, *, eps=1e-5, normalized_ndim=1
     Covered in :ref:`sec-ch02-one-vector`.
     """
     k = normalized_ndim
-    xa = x.astype(accumulation_dtype(x.dtype))  # (N, D)
-    mean = xa.mean(axis=_last_axes(x.ndim, k))  # (N,)
-    xc = xa - _expand(mean, k)  # (N, D)
-    var = (xc * xc).mean(axis=_last_axes(x.ndim, k))  # (N,) biased variance, two passes
-    rstd = _rstd(var, eps)  # (N,)
-    y = xc * _expand(rstd, k)  # (N, D) xhat
+    xa = x.astype(accumulation_dtype(x.dtype))  # (B, D)
+    mean = xa.mean(axis=_last_axes(x.ndim, k))  # (B,)
+    xc = xa - _expand(mean, k)  # (B, D)
+    var = (xc * xc).mean(axis=_last_axes(x.ndim, k))  # (B,) biased variance, two passes
+    rstd = _rstd(var, eps)  # (B,)
+    y = xc * _expand(rstd, k)  # (B, D) xhat
     if weight is not None:
-        y = y * weight.astype(xa.dtype)  # (N, D) weight (D,)
+        y = y * weight.astype(xa.dtype)  # (B, D) weight (D,)
     if bias is not None:
-        y = y + bias.astype(xa.dtype)  # (N, D) bias (D,)
+        y = y + bias.astype(xa.dtype)  # (B, D) bias (D,)
     return y.astype(x.dtype), mean, rstd
 
 
@@ -138,10 +138,10 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None):
     k = x.ndim - mean.ndim
     axes, rows = _last_axes(x.ndim, k), tuple(range(mean.ndim))
     acc = mean.dtype
-    xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)  # (N, D)
-    dya = dy.astype(acc)  # (N, D)
-    g = dya if weight is None else dya * weight.astype(acc)  # (N, D)
-    dx = layer_norm_dx(g, xhat, _expand(rstd, k), axes)  # (N, D)
+    xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)  # (B, D)
+    dya = dy.astype(acc)  # (B, D)
+    g = dya if weight is None else dya * weight.astype(acc)  # (B, D)
+    dx = layer_norm_dx(g, xhat, _expand(rstd, k), axes)  # (B, D)
     pdtype = x.dtype if weight is None else weight.dtype
     dweight = (dya * xhat).sum(axis=rows).astype(pdtype)  # (D,)
     dbias = dya.sum(axis=rows).astype(pdtype)  # (D,)
@@ -176,11 +176,11 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1):
     Covered in :doc:`/book/04_variants`, section "RMSNorm".
     """
     k = normalized_ndim
-    xa = x.astype(accumulation_dtype(x.dtype))  # (N, D)
-    rstd = _rstd((xa * xa).mean(axis=_last_axes(x.ndim, k)), eps)  # (N,)
-    y = xa * _expand(rstd, k)  # (N, D) xhat
+    xa = x.astype(accumulation_dtype(x.dtype))  # (B, D)
+    rstd = _rstd((xa * xa).mean(axis=_last_axes(x.ndim, k)), eps)  # (B,)
+    y = xa * _expand(rstd, k)  # (B, D) xhat
     if weight is not None:
-        y = y * weight.astype(xa.dtype)  # (N, D) weight (D,)
+        y = y * weight.astype(xa.dtype)  # (B, D) weight (D,)
     return y.astype(x.dtype), rstd
 
 
@@ -214,12 +214,12 @@ def rms_norm_backward(dy, x, rstd, weight=None):
     k = x.ndim - rstd.ndim
     axes, rows = _last_axes(x.ndim, k), tuple(range(rstd.ndim))
     acc = rstd.dtype
-    xhat = x.astype(acc) * _expand(rstd, k)  # (N, D)
-    dya = dy.astype(acc)  # (N, D)
-    g = dya if weight is None else dya * weight.astype(acc)  # (N, D)
-    dx = rms_norm_dx(g, xhat, _expand(rstd, k), axes)  # (N, D)
+    xhat = x.astype(acc) * _expand(rstd, k)  # (B, D)
+    dya = dy.astype(acc)  # (B, D)
+    g = dya if weight is None else dya * weight.astype(acc)  # (B, D)
+    dx = rms_norm_dx(g, xhat, _expand(rstd, k), axes)  # (B, D)
     pdtype = x.dtype if weight is None else weight.dtype
-    return dx.astype(x.dtype), (dya * xhat).sum(axis=rows).astype(pdtype)  # (N, D), (D,)
+    return dx.astype(x.dtype), (dya * xhat).sum(axis=rows).astype(pdtype)  # (B, D), (D,)
 
 
 def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
@@ -248,10 +248,10 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
     Nothing is validated (see the public function for the checks).
     Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
     """
-    xhat, mean, rstd = layer_norm_forward(  # (N, D), (N,), (N,)
+    xhat, mean, rstd = layer_norm_forward(  # (B, D), (B,), (B,)
         x.astype(accumulation_dtype(x.dtype)), eps=eps, normalized_ndim=normalized_ndim
     )
-    y = xhat * (1 + scale.astype(xhat.dtype)) + shift.astype(xhat.dtype)  # (N, D)
+    y = xhat * (1 + scale.astype(xhat.dtype)) + shift.astype(xhat.dtype)  # (B, D)
     return y.astype(x.dtype), mean, rstd
 
 
@@ -290,10 +290,10 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     """
     k = x.ndim - mean.ndim
     acc = mean.dtype
-    xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)  # (N, D)
-    dya = dy.astype(acc)  # (N, D)
-    g = dya * (1 + scale.astype(acc))  # (N, D)
-    dx, _, _ = layer_norm_backward(g, x.astype(acc), mean, rstd)  # (N, D)
+    xhat = (x.astype(acc) - _expand(mean, k)) * _expand(rstd, k)  # (B, D)
+    dya = dy.astype(acc)  # (B, D)
+    g = dya * (1 + scale.astype(acc))  # (B, D)
+    dx, _, _ = layer_norm_backward(g, x.astype(acc), mean, rstd)  # (B, D)
     dshift = sum_to_shape(dya, scale.shape if shift_shape is None else shift_shape)
     dscale = sum_to_shape(dya * xhat, scale.shape)  # shape of scale
     return dx.astype(x.dtype), dshift.astype(scale.dtype), dscale.astype(scale.dtype)
@@ -302,14 +302,14 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
 def batch_norm_forward(
     x, running_mean, running_var, weight=None, bias=None, *, training, momentum=0.1, eps=1e-5
 ):
-    r"""BatchNorm forward over (N, C, ...): statistics per channel over every other axis.
+    r"""BatchNorm forward over (B, C, ...): statistics per channel over every other axis.
 
     In training the batch statistics are used and the running ones updated in place (unbiased
     variance); in evaluation the running statistics are used.
 
     Parameters
     ----------
-    x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, ...)``
         Input.
     running_mean, running_var : ndarray of shape ``(C,)``, or None
         Running statistics (updated in place in training; required in evaluation).
@@ -338,7 +338,7 @@ def batch_norm_forward(
     acc = accumulation_dtype(x.dtype)
     axes = (0,) + tuple(range(2, x.ndim))
     shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
-    xa = x.astype(acc)  # (N, C, ...)
+    xa = x.astype(acc)  # (B, C, ...)
     if training:
         mean = xa.mean(axis=axes)  # (C,)
         var = ((xa - mean.reshape(shape)) ** 2).mean(axis=axes)  # (C,)
@@ -349,11 +349,11 @@ def batch_norm_forward(
     else:
         mean, var = xp.asarray(running_mean, dtype=acc), xp.asarray(running_var, dtype=acc)
     rstd = 1 / (var + eps) ** 0.5  # (C,)
-    y = (xa - mean.reshape(shape)) * rstd.reshape(shape)  # (N, C, ...)
+    y = (xa - mean.reshape(shape)) * rstd.reshape(shape)  # (B, C, ...)
     if weight is not None:
-        y = y * weight.astype(acc).reshape(shape)  # (N, C, ...)
+        y = y * weight.astype(acc).reshape(shape)  # (B, C, ...)
     if bias is not None:
-        y = y + bias.astype(acc).reshape(shape)  # (N, C, ...)
+        y = y + bias.astype(acc).reshape(shape)  # (B, C, ...)
     return y.astype(x.dtype), mean, rstd
 
 
@@ -364,7 +364,7 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     ----------
     dy : ndarray, shape of ``x``
         Gradient of the loss with respect to ``y``.
-    x : ndarray, float16, float32 or float64, shape ``(N, C, ...)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, ...)``
         The forward input.
     mean, rstd : ndarray, shape ``(C,)``
         From :func:`batch_norm_forward`, in the accumulation dtype.
@@ -388,13 +388,13 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
     axes = (0,) + tuple(range(2, x.ndim))
     shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
     acc = mean.dtype
-    xhat = (x.astype(acc) - mean.reshape(shape)) * rstd.reshape(shape)  # (N, C, ...)
-    dya = dy.astype(acc)  # (N, C, ...)
-    g = dya if weight is None else dya * weight.astype(acc).reshape(shape)  # (N, C, ...)
+    xhat = (x.astype(acc) - mean.reshape(shape)) * rstd.reshape(shape)  # (B, C, ...)
+    dya = dy.astype(acc)  # (B, C, ...)
+    g = dya if weight is None else dya * weight.astype(acc).reshape(shape)  # (B, C, ...)
     if training:
-        dx = layer_norm_dx(g, xhat, rstd.reshape(shape), axes)  # (N, C, ...)
+        dx = layer_norm_dx(g, xhat, rstd.reshape(shape), axes)  # (B, C, ...)
     else:
-        dx = g * rstd.reshape(shape)  # (N, C, ...): the statistics are constants
+        dx = g * rstd.reshape(shape)  # (B, C, ...): the statistics are constants
     pdtype = x.dtype if weight is None else weight.dtype
     dweight = (dya * xhat).sum(axis=axes).astype(pdtype)  # (C,)
     dbias = dya.sum(axis=axes).astype(pdtype)  # (C,)
@@ -402,14 +402,14 @@ def batch_norm_backward(dy, x, mean, rstd, weight=None, *, training=True):
 
 
 def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
-    r"""GroupNorm forward over (N, C, ...): a LayerNorm of each group, then per-channel affine.
+    r"""GroupNorm forward over (B, C, ...): a LayerNorm of each group, then per-channel affine.
 
     A group is C/G channels at every spatial position, :math:`D = (C/G)\prod\mathrm{spatial}`
     values.
 
     Parameters
     ----------
-    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, *spatial)``
         Input.
     num_groups : int
         G, a divisor of C.
@@ -435,11 +435,11 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     mean = xa.mean(axis=2)  # (N, G)
     xc = xa - mean[:, :, None]  # (N, G, D)
     rstd = 1 / ((xc * xc).mean(axis=2) + eps) ** 0.5  # (N, G): biased variance, two passes
-    y = (xc * rstd[:, :, None]).reshape(n, c, -1)  # (N, C, L), L spatial positions
+    y = (xc * rstd[:, :, None]).reshape(n, c, -1)  # (B, C, L), L spatial positions
     if weight is not None:
-        y = y * weight.astype(xa.dtype)[:, None]  # (N, C, L)
+        y = y * weight.astype(xa.dtype)[:, None]  # (B, C, L)
     if bias is not None:
-        y = y + bias.astype(xa.dtype)[:, None]  # (N, C, L)
+        y = y + bias.astype(xa.dtype)[:, None]  # (B, C, L)
     return y.reshape(x.shape).astype(x.dtype), mean, rstd
 
 
@@ -450,7 +450,7 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     ----------
     dy : ndarray, shape of ``x``
         Gradient of the loss with respect to ``y``.
-    x : ndarray, float16, float32 or float64, shape ``(N, C, *spatial)``
+    x : ndarray, float16, float32 or float64, shape ``(B, C, *spatial)``
         The forward input.
     mean, rstd : ndarray, shape ``(N, G)``
         From :func:`group_norm_forward`.
@@ -475,8 +475,8 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     acc = accumulation_dtype(x.dtype)
     mean, rstd = mean.astype(acc)[:, :, None], rstd.astype(acc)[:, :, None]
     xhat = (x.astype(acc).reshape(n, g, -1) - mean) * rstd  # (N, G, D)
-    dya = dy.astype(acc).reshape(n, c, -1)  # (N, C, L)
-    gs = dya if weight is None else dya * weight.astype(acc)[:, None]  # (N, C, L)
+    dya = dy.astype(acc).reshape(n, c, -1)  # (B, C, L)
+    gs = dya if weight is None else dya * weight.astype(acc)[:, None]  # (B, C, L)
     gs = gs.reshape(n, g, -1)  # (N, G, D)
     dx = layer_norm_dx(gs, xhat, rstd, axes=(2,))  # (N, G, D)
     pdtype = x.dtype if weight is None else weight.dtype

@@ -68,8 +68,10 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
 
     .. math::
 
-        \mathrm{rstd} = \Big(\frac{1}{D}\sum_{i=1}^{D} x_i^2 + \epsilon\Big)^{-1/2}, \qquad
-        y_i = x_i\,\mathrm{rstd}\,\gamma_i .
+        r = \Big(\frac{1}{D}\sum_{i=1}^{D} x_i^2 + \epsilon\Big)^{-1/2}, \qquad
+        y_i = x_i\,r\,\gamma_i ,
+
+    with :math:`r` returned as ``rstd``.
 
     Parameters
     ----------
@@ -142,11 +144,11 @@ def rms_norm_forward(x, weight=None, *, eps=1e-6, normalized_ndim=1, weight_offs
 def rms_norm_backward(dy, x, rstd, weight=None, *, weight_offset=0.0, out=None):
     r"""RMSNorm backward pass.
 
-    With :math:`\hat{x} = x\,\mathrm{rstd}` and :math:`g = dy\,\gamma`, per row
+    With :math:`\hat{x} = x\,r` (:math:`r` is ``rstd``) and :math:`g = dy\,\gamma`, per row
 
     .. math::
 
-        dx = \mathrm{rstd}\,\big(g - \hat{x}\;\overline{g\hat{x}}\big), \qquad
+        dx = r\,\big(g - \hat{x}\;\overline{g\hat{x}}\big), \qquad
         d\gamma = \sum_{\text{rows}} dy\,\hat{x},
 
     where the bar is the mean over the normalized axes (exact, ``eps`` included).
