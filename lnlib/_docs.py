@@ -2,7 +2,10 @@ r"""Docstrings written once, for the NumPy layers (:mod:`lnlib.layers`) and the 
 functions (:mod:`lnlib.torch_bridge`): a method's that several classes share (:func:`doc`, as
 pandas' ``@doc`` does), the one form of a step's (a ``forward``, a ``backward``: :func:`step`),
 and the meaning of each parameter name (:data:`ENTRIES`), from which :func:`parameters` writes
-the Parameters section of a signature."""
+the Parameters section of a signature. Below them, what each of the two modules fills in: the
+steps of a layer (:func:`layer_forward`, :func:`layer_backward`); the bridge's parameter
+tables (:data:`TORCH`, :data:`TORCH_MODULE`), its modules' ``forward`` (:func:`module_forward`)
+and its autograd Functions (:func:`function`)."""
 
 import inspect
 import re
