@@ -70,6 +70,22 @@ def selectable_by_norm(keys):
     return norms >= np.median(norms)
 
 
+def selectable_by_own_query(keys):
+    """The query q = k_i of the proposition, used where the keys' lengths differ: wrong."""
+    scores = keys @ keys.T
+    return np.array([np.all(scores[i, i] > np.delete(scores[i], i)) for i in range(len(keys))])
+
+
+def selectable_with_edge_midpoints(keys):
+    """Every key on the hull's boundary, a key in the middle of an edge included: wrong."""
+    from scipy.spatial import ConvexHull
+
+    if len(keys) < 3:
+        return np.ones(len(keys), dtype=bool)
+    planes = ConvexHull(keys).equations  # (faces, 3): normal . k + offset = 0 on a face
+    return np.abs(keys @ planes[:, :2].T + planes[:, 2]).min(axis=1) < 1e-12
+
+
 def fixed_order_sum(x):
     total = np.zeros(x.shape[0], dtype=x.dtype)
     for k in range(x.shape[1]):
@@ -124,6 +140,19 @@ def test_selectable_keys_reference_agrees_with_a_linear_program():
     pytest.importorskip("scipy")
     assert ch03.check_selectable_keys(selectable).passed
     assert not ch03.check_selectable_keys(selectable_by_norm).passed
+
+
+def test_selectable_keys_rejects_the_own_query_and_edge_midpoints():
+    """Two wrong readings of the chapter: q = k_i wins only for keys of one length (a short
+    key beside a long one can win for another query), and a key in the middle of an edge
+    only ties."""
+    pytest.importorskip("scipy")
+    failed = [f.description for f in ch03.check_selectable_keys(selectable_by_own_query).failures]
+    assert "one large key and small ones near it" in failed
+    failed = [
+        f.description for f in ch03.check_selectable_keys(selectable_with_edge_midpoints).failures
+    ]
+    assert failed == ["a key in the middle of an edge"]
 
 
 def test_batch_invariant_sum():
