@@ -109,7 +109,11 @@ def _to_numpy(value: Any) -> Any:
         return value
     module = type(value).__module__.split(".")[0]
     if module == "torch":
-        return value.detach().cpu().numpy()
+        tensor = value.detach().cpu()
+        try:
+            return tensor.numpy()
+        except TypeError:  # a dtype NumPy has no equivalent of (bfloat16): reported as it is
+            return tensor
     if module == "cupy":
         return value.get()
     return value
@@ -135,6 +139,9 @@ def _describe(value: Any) -> str:
         return f"a {type(value).__name__} of length {len(value)}"
     if value is None:
         return "None"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor NumPy cannot hold
+        kind = type(value).__module__.split(".")[0]
+        return f"a {kind} array of shape {tuple(value.shape)} and dtype {value.dtype}"
     return f"a {type(value).__name__}"
 
 

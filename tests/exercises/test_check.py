@@ -193,6 +193,21 @@ def test_torch_outputs_are_accepted():
     assert ok
 
 
+def test_a_torch_dtype_numpy_cannot_hold_is_a_failing_case_not_an_error():
+    torch = pytest.importorskip("torch")
+    x = np.linspace(-1, 1, 6).reshape(2, 3).astype(np.float32)
+    result = check(
+        lambda x: torch.from_numpy(x).to(torch.bfloat16),
+        lambda x: x,
+        [Case("bf16", (x,))],
+        verbose=False,
+    )
+    assert not result
+    reason = result.failures[0].reason
+    assert "torch array of shape (2, 3) and dtype torch.bfloat16" in reason, reason
+    assert "dtype float32" in reason, reason
+
+
 def test_no_cases_is_an_error():
     with pytest.raises(ValueError):
         check(lambda x: x, lambda x: x, [])
