@@ -5,7 +5,7 @@ and the meaning of each parameter name (:data:`ENTRIES`), from which :func:`para
 the Parameters section of a signature. Below them, what each of the two modules fills in: the
 steps of a layer (:func:`layer_forward`, :func:`layer_backward`); the bridge's parameter
 tables (:data:`TORCH`, :data:`TORCH_MODULE`), its modules' ``forward`` (:func:`module_forward`)
-and its autograd Functions (:func:`function`)."""
+and its autograd Functions (:func:`autograd_function`)."""
 
 import inspect
 import re
@@ -264,7 +264,7 @@ _CTX = """ctx : torch.autograd.function.FunctionCtx
     Torch's context object, where the forward saves what the backward needs."""
 
 
-def function(cls, forward, name, lnlib_forward, results):
+def autograd_function(cls, forward, name, lnlib_forward, results):
     """Write the docstrings of the autograd Function ``cls`` of the bridge's function ``name``
     (its class note kept after what its ``apply`` returns and which lnlib functions it runs)
     and of its ``forward``, which runs ``lnlib_forward`` and returns ``results``."""

@@ -182,7 +182,7 @@ def _function(name, results):
             with _stream_of(x):
                 return forward(ctx, x, *args)
 
-        _docs.function(cls, run, name, lnlib_forward, results)
+        _docs.autograd_function(cls, run, name, lnlib_forward, results)
         cls.forward, cls.backward = staticmethod(run), staticmethod(_backward)
         return cls
 
