@@ -168,8 +168,8 @@ def check_weight_grad(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(W, x, dy, eps=1e-6) -> dW`` for y = RMSNorm(x W^T) (no weight).
 
     ``W`` has shape (D, D_in), ``x`` (B, D_in) and ``dy`` (B, D); ``dW`` has the shape of
-    ``W``. Cases include a single row, a rescaled ``W`` (whose gradient must shrink by the
-    same factor) and eps = 0.
+    ``W``. Cases include a single row, a rescaled ``W`` (whose gradient shrinks by the same
+    factor, exactly at eps = 0 and up to a relative eps / mean(h^2) otherwise) and eps = 0.
     """
     rng = _rng()
     w = rng.normal(size=(6, 5))
@@ -180,7 +180,7 @@ def check_weight_grad(fn: Callable[..., Any]) -> CheckResult:
             "one row, B = 1",
             (rng.normal(size=(4, 3)), rng.normal(size=(1, 3)), rng.normal(size=(1, 4))),
         ),
-        Case("the same W times 10 (the gradient is 10 times smaller)", (10 * w, x, dy)),
+        Case("the same W times 10 (the gradient about 10 times smaller)", (10 * w, x, dy)),
         Case("eps = 0 passed as a keyword", (w, x, dy), {"eps": 0.0}),
         Case(
             "dy = y: a gradient along the output itself (dW is zero at eps = 0)",
