@@ -87,14 +87,29 @@ def _norm_setup(layer, normalized_shape, eps, affine, weight_offset, bias=None):
 
 class _Norm(_Layer):
     """What LayerNorm and RMSNorm (and their fused forms) share: :func:`_norm_setup`, then the
-    parameters held."""
+    parameters held; a forward that runs an lnlib forward on ``x`` (fused: ``x`` and
+    ``residual``) and a backward that runs its backward."""
 
     def _setup(self, normalized_shape, eps, affine, dtype, weight_offset, bias=None):
         fills = _norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
         self._hold(self.normalized_shape, dtype, **fills)
 
-    def _kw(self):
-        return {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
+    def _forward(self, forward, *inputs, **kw):
+        """``forward(*inputs, weight[, bias], eps=..., ...)``; save what its backward takes after
+        the gradients (``x`` or ``h``, then the statistics) and keywords; return ``y`` (``y, h``
+        fused)."""
+        params = (self.weight, self.bias) if "bias" in self._params else (self.weight,)
+        back = {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
+        y, *saved = forward(*inputs, *params, eps=self.eps, **back, **kw)
+        if len(inputs) == 1:  # y, *stats from x; the unfused backward reads no normalized_ndim
+            self._saved = (inputs[0], *saved), {"weight_offset": self.weight_offset}
+            return y
+        self._saved = saved, back  # h, *stats
+        return y, saved[0]
+
+    def _backward(self, backward, *douts):
+        saved, kw = self._take()
+        return self._keep(*backward(*douts, *saved, self.weight, **kw))
 
 
 @_params
@@ -112,16 +127,11 @@ class LayerNorm(_Norm):
         "layer_norm_forward", "(*lead, *normalized_shape)", "The normalized input."
     )
     def forward(self, x):
-        y, *stats = layer_norm_forward(x, self.weight, self.bias, eps=self.eps, **self._kw())
-        self._saved = (x, *stats)
-        return y
+        return self._forward(layer_norm_forward, x)
 
     @_docs.layer_backward("layer_norm_backward", "``dweight`` and ``dbias``")
     def backward(self, dy):
-        offset = self.weight_offset
-        return self._keep(
-            *layer_norm_backward(dy, *self._take(), self.weight, weight_offset=offset)
-        )
+        return self._backward(layer_norm_backward, dy)
 
 
 @_rms_params
@@ -137,14 +147,11 @@ class RMSNorm(_Norm):
 
     @_docs.layer_forward("rms_norm_forward", "(*lead, *normalized_shape)", "The rescaled input.")
     def forward(self, x):
-        y, rstd = rms_norm_forward(x, self.weight, eps=self.eps, **self._kw())
-        self._saved = (x, rstd)
-        return y
+        return self._forward(rms_norm_forward, x)
 
     @_docs.layer_backward("rms_norm_backward", "``dweight``")
     def backward(self, dy):
-        offset = self.weight_offset
-        return self._keep(*rms_norm_backward(dy, *self._take(), self.weight, weight_offset=offset))
+        return self._backward(rms_norm_backward, dy)
 
 
 @_params
@@ -407,19 +414,15 @@ class AddLayerNorm(LayerNorm):
 
     @_docs.layer_forward("add_layer_norm_forward", *_docs.ADD_FORWARD)
     def forward(self, x, residual):
-        kw, params = self._kw(), (self.weight, self.bias)
-        y, h, *stats = add_layer_norm_forward(
-            x, residual, *params, eps=self.eps, residual_dtype=self.residual_dtype, **kw
+        return self._forward(
+            add_layer_norm_forward, x, residual, residual_dtype=self.residual_dtype
         )
-        self._saved = (h, *stats, kw)
-        return y, h
 
     @_docs.layer_backward(
         "add_layer_norm_backward", "``dweight`` and ``dbias``", *_docs.ADD_BACKWARD
     )
     def backward(self, dy, dh=None):
-        *saved, kw = self._take()
-        return self._keep(*add_layer_norm_backward(dy, dh, *saved, self.weight, **kw))
+        return self._backward(add_layer_norm_backward, dy, dh)
 
 
 @_rms_params
@@ -436,14 +439,8 @@ class AddRMSNorm(RMSNorm):
 
     @_docs.layer_forward("add_rms_norm_forward", *_docs.ADD_FORWARD)
     def forward(self, x, residual):
-        kw = self._kw()
-        y, h, rstd = add_rms_norm_forward(
-            x, residual, self.weight, eps=self.eps, residual_dtype=self.residual_dtype, **kw
-        )
-        self._saved = (h, rstd, kw)
-        return y, h
+        return self._forward(add_rms_norm_forward, x, residual, residual_dtype=self.residual_dtype)
 
     @_docs.layer_backward("add_rms_norm_backward", "``dweight``", *_docs.ADD_BACKWARD)
     def backward(self, dy, dh=None):
-        *saved, kw = self._take()
-        return self._keep(*add_rms_norm_backward(dy, dh, *saved, self.weight, **kw))
+        return self._backward(add_rms_norm_backward, dy, dh)
