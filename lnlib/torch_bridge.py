@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import numbers
 
 import numpy as np
 import torch
@@ -605,9 +606,12 @@ class GroupNorm(nn.Module):
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
         super().__init__()
-        if num_channels % num_groups:
+        if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
+            raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+        if num_groups < 1 or num_channels % num_groups:
             raise ValueError(
-                f"num_groups must divide num_channels = {num_channels}, got {num_groups}"
+                f"num_groups must be >= 1 and divide num_channels = {num_channels}, "
+                f"got {num_groups}"
             )
         self.num_groups, self.num_channels, self.eps = num_groups, num_channels, eps
         self.affine = affine

@@ -315,3 +315,18 @@ def test_each_gradient_is_cast_to_the_dtype_of_its_own_input(name):
     assert dbias.dtype == np.float32
     torch.testing.assert_close(bias.grad, torch.from_numpy(dbias), rtol=0, atol=0)
     assert not torch.equal(bias.grad, bias.grad.to(bf16).float()), "not a bfloat16 value"
+
+
+@pytest.mark.parametrize(
+    "num_groups, error, match",
+    [
+        (0, ValueError, "num_groups must be >= 1"),
+        (-2, ValueError, "num_groups must be >= 1"),
+        (4, ValueError, "divide num_channels = 6"),
+        (2.0, TypeError, "num_groups must be an int"),
+        (True, TypeError, "num_groups must be an int"),
+    ],
+)
+def test_group_norm_module_names_a_bad_num_groups(num_groups, error, match):
+    with pytest.raises(error, match=match):
+        tb.GroupNorm(num_groups, 6)
