@@ -156,13 +156,14 @@ class RMSNorm(_Norm):
 
 @_params
 class AdaLN(_Layer):
-    """Adaptive LayerNorm with its conditioning layer (adaLN-Zero by default), as in DiT.
+    r"""Adaptive LayerNorm with its conditioning layer (adaLN-Zero by default), as in DiT.
 
-    ``forward(x, c)`` maps the conditioning ``c`` (B, cond_dim) to shift, scale and gate
-    (B, dim) with :func:`lnlib.adaln_modulation`, and returns ``(y, gate)`` where
-    ``y = LN(x) * (1 + scale) + shift``; for ``x`` of shape (B, T, dim) the modulation is
-    broadcast over T and ``gate`` comes back as (B, 1, dim). The gate multiplies the residual
-    branch that follows, outside this layer.
+    ``forward(x, c)`` maps the conditioning ``c`` (B, cond_dim) to the shift :math:`\delta`,
+    scale :math:`s` and gate :math:`\kappa` (``shift``, ``scale``, ``gate``, each (B, dim)) with
+    :func:`lnlib.adaln_modulation`, and returns ``(y, gate)`` where
+    :math:`y = \hat{x} \odot (1 + s) + \delta` (``LN(x) * (1 + scale) + shift``); for ``x`` of
+    shape (B, T, dim) the modulation is broadcast over T and ``gate`` comes back as (B, 1, dim).
+    The gate multiplies the residual branch that follows, outside this layer.
 
     Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
 
