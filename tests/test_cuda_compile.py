@@ -239,6 +239,33 @@ def test_launch_shapes_stated_in_the_book():
     assert 16 // build.ITEMSIZE["float32"] == 4 and 16 // build.ITEMSIZE["float16"] == 8
 
 
+@pytest.mark.parametrize("op", [o for o in build.OPS + build.ADD_OPS if o.endswith("bwd")])
+def test_long_rows_have_a_long_row_kernel(op):
+    """Every backward module holds its long-row kernel, which covers every row that the
+    largest one-tile shape does not, with a plan inside any budget (norm_bwd_long's layout)."""
+    for dtype in build.FUSED["bwd"] if op.startswith("add_") else sorted(build.TYPE_NAMES):
+        names = build.name_expressions(op, dtype)
+        for d in (8193, 16385, 20001, 65536, 2**20):
+            _r, _maxv, tiles = build.launch_shape(op, dtype, d)
+            if tiles == 1:
+                continue
+            r, maxv, long_tiles = build.long_shape(op, dtype, d)
+            assert build.kernel_name(op + "_long", dtype, r, maxv) in names
+            vec = 16 // build.ITEMSIZE[build._layout(dtype)]
+            assert long_tiles * r * maxv * vec >= d > (long_tiles - 1) * r * maxv * vec
+            for budget in (0, 50_000, 114_688, 1 << 30):
+                part, stage, used = build.long_plan(op, dtype, d, budget)
+                assert used <= budget and 0 <= part <= long_tiles and 0 <= stage <= long_tiles
+            assert build.long_plan(op, dtype, d, 1 << 30)[:2] == (long_tiles, long_tiles)
+            assert 1 <= build.long_units(10**6, d, 132) <= 2 * 132
+
+
+def test_column_sum_width_is_the_kernels():
+    """The row functions launch param_grad_sum with the columns per block norms.cu assumes."""
+    m = re.search(r"#define LNLIB_SUM_COLS (\d+)", build.source())
+    assert m and int(m.group(1)) == build.SUM_COLUMNS
+
+
 def _nvrtc_missing():
     """Why CuPy's NVRTC path cannot be exercised here, or None if it can."""
     try:
@@ -370,12 +397,14 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
 
     def function(op, dtype, r, maxv):
         name = build.kernel_name(op, dtype, r, maxv)
-        assert name in build.name_expressions(op, dtype), name
+        assert name in build.name_expressions(op.removesuffix("_long"), dtype), name
         names, params = declared[op]
         binding = dict(zip(names, (a.strip() for a in name[len(op) + 1 : -1].split(","))))
 
-        def launch(grid, block, args):
+        def launch(grid, block, args, shared_mem=0):
             assert len(args) == len(params), (name, len(args), len(params))
+            assert shared_mem == 0 or op.endswith("_long"), (name, shared_mem)
+            assert shared_mem <= 100 * 1024, (name, shared_mem)
             for i, (a, (ctype, pointer)) in enumerate(zip(args, params)):
                 if pointer and isinstance(a, np.uintp):
                     assert a == 0, (name, i)
@@ -389,6 +418,7 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
 
     monkeypatch.setattr(build, "function", function)
     monkeypatch.setattr(ck, "_column_sum", lambda op, dtype, part: part.sum(axis=0))
+    monkeypatch.setattr(ck, "_device_limits", lambda: (132, 100 * 1024))
     rng = np.random.default_rng(0)
     combos = [
         ("float32",) * 3,
@@ -407,4 +437,5 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
             ck.add_rms_norm_backward_rows(dy, dh, h, rstd, None)
         ck.layer_norm_backward_rows(dy, h, mean, rstd, w)
         ck.rms_norm_backward_rows(dy, h, rstd, w)
-    assert set(launched) == set(build.OPS + build.ADD_OPS)
+    bwd = [op + "_long" for op in build.OPS + build.ADD_OPS if op.endswith("bwd")]
+    assert set(launched) == set(build.OPS + build.ADD_OPS + tuple(bwd))

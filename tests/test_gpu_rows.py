@@ -1,7 +1,8 @@
 """lnlib's CUDA row functions where the other GPU tests do not reach: parameter gradients
-accumulated over many rows per unit (the partial sums that one-tile rows keep in registers and
-the partial rows that long rows read, modify and write in memory), grid-stride loops of many
-passes, and bfloat16 forward and backward at several row lengths.
+accumulated over many rows per unit (the partial sums that one-tile rows keep in registers, and
+those of long rows, kept in shared memory or read, modified and written in memory, the row
+staged in shared memory or read twice), grid-stride loops of many passes, and bfloat16 forward
+and backward at several row lengths.
 
 Each check runs on the CUDA kernels (marker ``gpu``: skipped with the reason where CuPy or a GPU
 is missing, failing instead under ``LNLIB_REQUIRE_GPU=1``; ``make gpu-check`` runs them) and,
@@ -119,6 +120,8 @@ class KernelModel(_Rows):
     :func:`geometry` (``lnlib._cuda.build``, so the hook on ``GRID_THREADS`` moves it too), unit
     ``u`` adding rows ``u, u + units, u + 2 units, ...`` in that order, then the units added as
     ``param_grad_sum`` does (32 lanes, lane ``l`` adding units ``l, l + 32, ...``, then a tree).
+    The long-row kernel adds the same values in the same order wherever it keeps a unit's
+    partial sums (shared memory or its row of the partial buffer), so one model covers both.
     ``flaw`` (one of :data:`FLAWS`) makes it wrong on purpose.
     """
 
@@ -210,20 +213,33 @@ class KernelModel(_Rows):
 
 @dataclass(frozen=True)
 class Geometry:
-    tiles: int  # row tiles of the backward (more than 1: partial rows kept in memory)
+    tiles: int  # row tiles of the backward's largest shape (more than 1: the long-row kernel)
     units: int  # row groups of the backward, each with its own partial parameter gradients
     most: int  # rows of the busiest unit
     fewest: int  # rows of the idlest unit
     forward_passes: int  # passes of the forward's grid-stride loop
 
 
+def sm_count():
+    """The SM count the long-row backward sizes its units by: the GPU's where CuPy sees one,
+    else build.DEFAULT_SMS (the model then shares rows out as on an H100 or H200)."""
+    cupy, _reason = _cupy_with_gpu()
+    if cupy is None:
+        return build.DEFAULT_SMS
+    from lnlib._cuda import cuda_kernel
+
+    return cuda_kernel._device_limits()[0]
+
+
 def geometry(norm, dtype, m, d):
     """How the kernels of ``norm`` share ``m`` rows of ``d`` elements out, launched as
-    lnlib._cuda.cuda_kernel launches them (units: ``min(m, blocks * rows per block)``)."""
+    lnlib._cuda.cuda_kernel launches them (units: ``min(m, blocks * rows per block)``; rows of
+    several tiles: the long-row kernel's blocks of one row, build.long_units)."""
     r, _maxv, _tiles = build.launch_shape(f"{norm}_fwd", dtype, d)
     per_pass = build.grid("fwd", m, r) * (build.block_threads(r) // r)
     r, _maxv, tiles = build.launch_shape(f"{norm}_bwd", dtype, d)
-    units = min(m, build.grid("bwd", m, r, d, tiles) * (build.block_threads(r) // r))
+    blocks = build.grid("bwd", m, r, d, tiles, sm_count())
+    units = min(m, blocks * (1 if tiles > 1 else build.block_threads(r) // r))
     return Geometry(tiles, units, -(-m // units), m // units, -(-m // per_pass))
 
 
@@ -244,10 +260,10 @@ class Case:
 #: Rows of 99 and 20001 elements are not whole 16-byte vectors: they take the element-wise loads.
 CASES = (
     Case(768, 20000, None, "registers"),  # float32: 4096 units of 4-5 rows, 3 forward passes
-    Case(20000, 1100, None, "memory"),  # float32: 3 tiles, 512 units of 2-3 rows
+    Case(20000, 1100, None, "memory"),  # long rows: 2 units an SM (132 SMs: 264 of 4-5 rows)
     Case(99, 1003, (256, 256), "registers"),  # a warp per row, 4 rows a block: 8 units
     Case(768, 1001, (128, 256), "registers"),  # float32: 4 units of 250-251 rows, 501 passes
-    Case(20001, 45, (1024, 1024), "memory"),  # 2 units of 22-23 rows, 45 forward passes
+    Case(20001, 45, (1024, 1024), "memory"),  # long rows: 4 units of 11-12 rows, 45 fwd passes
 )
 #: The large cases (no grid cap) the model runs too: one, the largest partial sums (CPU time);
 #: the GPU runs them all, for every norm and dtype.
@@ -435,6 +451,68 @@ def test_parameter_gradients_over_many_rows_per_unit(request, monkeypatch, kind,
     rows = _rows(kind, request)
     _cap_grid(monkeypatch, case)
     check_many_rows_per_unit(rows, case, norm, dtype)
+
+
+# Long rows under every shared-memory plan ---------------------------------------------------
+
+#: Long rows whose tiles of partial sums and of the row fit in shared memory in part (20001: not
+#: whole vectors, element by element) or, for some norms and dtypes, whole (9000).
+LONG_CASES = (Case(20001, 45, (1024, 1024), "memory"), Case(9000, 300, (1024, 1024), "memory"))
+
+
+def shared_caps(norm, dtype, d):
+    """Caps on the long-row kernel's shared memory (build.LONG_SHARED_CAP): none on chip, one
+    tile of partial sums, one tile of partial sums and one of the row, the device's."""
+    tiles, per_part, per_stage = build.long_tile_bytes(f"{norm}_bwd", dtype, d)
+    return (0, per_part, per_part * tiles + per_stage, None)
+
+
+def test_shared_caps_reach_each_plan():
+    """The caps give no tile on chip, partial sums only, partial sums and staged rows, for every
+    norm and dtype; under an H100's budget (112 KiB a block, two blocks an SM) each plan fills
+    its budget, partial sums first, none exceeds it, some hold every tile, some none of the row."""
+    seen = set()
+    for norm in NORMS:
+        for dtype in DTYPES:
+            for case in LONG_CASES:
+                op, d = f"{norm}_bwd", case.d
+                tiles = build.long_shape(op, dtype, d)[2]
+                plans = [build.long_plan(op, dtype, d, c) for c in shared_caps(norm, dtype, d)[:3]]
+                assert plans[0] == (0, 0, 0), (norm, dtype, d, plans)
+                assert plans[1][:2] == (1, 0), (norm, dtype, d, plans)
+                assert plans[2][:2] == (tiles, 1), (norm, dtype, d, plans)
+                budget = 112 * 1024
+                part, stage, used = build.long_plan(op, dtype, d, budget)
+                _tiles, per_part, per_stage = build.long_tile_bytes(op, dtype, d)
+                assert used <= budget and part <= tiles and stage <= tiles
+                assert part == tiles or budget - part * per_part < per_part, "partial sums first"
+                assert stage == tiles or budget - used < per_stage, "then the row"
+                seen.add((part == tiles, stage > 0))
+    assert {(True, True), (False, False)} <= seen, seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("case", LONG_CASES, ids=str)
+def test_long_rows_every_shared_memory_plan(cuda_rows, monkeypatch, case, norm, dtype):
+    """The long-row backward with its partial sums and its row in shared memory, in global
+    memory, and split between them: dweight and dbias exact, dx within ROW_TOL, and every
+    output bitwise the same under every plan."""
+    _cap_grid(monkeypatch, case)
+    first = None
+    for cap in shared_caps(norm, dtype, case.d):
+        monkeypatch.setattr(build, "LONG_SHARED_CAP", cap)
+        check_many_rows_per_unit(cuda_rows, case, norm, dtype)
+        data = exact_case(cuda_rows.xp, case, norm)[0]
+        acc = acc_name(dtype)
+        x, dy = cuda_rows.put(data.x, dtype), cuda_rows.put(data.dy, dtype)
+        args = [cuda_rows.put(a, acc) for a in (data.mean, data.rstd, data.weight)]
+        if norm == "rms_norm":
+            args = args[1:]
+        got = [a.get().tobytes() for a in cuda_rows(f"{norm}_backward", dy, x, *args)]
+        first = first or got
+        assert got == first, f"{norm} {dtype} {case}: other bits under a shared-memory cap {cap}"
 
 
 #: For each flaw: a case and dtype where it changes the results, and the first result it spoils.

@@ -2,9 +2,10 @@
 
 Covers the norms and the fused residual add, each launch shape family (a warp per row, several
 warps per row, a block per row, rows of several tiles), float32/float16/float64, rows that are
-not 16-byte aligned, batches that do not fill the last block, and the backward's two-stage
-parameter gradients. CuPy's memory pool is switched off so that every array is its own
-allocation and an out-of-bounds access is seen.
+not 16-byte aligned, batches that do not fill the last block, the backward's two-stage
+parameter gradients, and the long-row backward with its partial sums and row in shared memory,
+in global memory and split between them. CuPy's memory pool is switched off so that every
+array is its own allocation and an out-of-bounds access is seen.
 """
 
 import sys
@@ -51,6 +52,32 @@ def run_fused(x, dy, w, dtype, rng):
         lnlib.add_rms_norm_backward(dy, dh, h, rstd, wa)
 
 
+def run_long_plans(m, d, dtype, rng):
+    """The long-row backward with one unit taking every row, under shared-memory caps that put
+    its partial sums and its row in global memory (0) or one tile of partial sums on chip."""
+    from lnlib._cuda import build
+
+    x = cp.asarray(rng.standard_normal((m, d)).astype(dtype))
+    dy = cp.asarray(rng.standard_normal((m, d)).astype(dtype))
+    w = cp.asarray(rng.standard_normal(d).astype(dtype))
+    saved = dict(build.GRID_THREADS), build.LONG_SHARED_CAP
+    build.GRID_THREADS["bwd"] = build.LONG_R  # one unit
+    try:
+        for norm in ("layer_norm", "rms_norm"):
+            _tiles, per_part, _per_stage = build.long_tile_bytes(f"{norm}_bwd", dtype, d)
+            for cap in (0, per_part):
+                build.LONG_SHARED_CAP = cap
+                if norm == "layer_norm":
+                    _y, mean, rstd = lnlib.layer_norm_forward(x, w, w)
+                    lnlib.layer_norm_backward(dy, x, mean, rstd, w)
+                else:
+                    _y, rstd = lnlib.rms_norm_forward(x, w)
+                    lnlib.rms_norm_backward(dy, x, rstd, w)
+    finally:
+        build.GRID_THREADS.update(saved[0])
+        build.LONG_SHARED_CAP = saved[1]
+
+
 def main():
     rng = np.random.default_rng(0)
     count = 0
@@ -60,6 +87,8 @@ def main():
                 for m in ROWS:
                     run_case(m, d, dtype, rng)
                     count += 1
+            run_long_plans(5, 20001, dtype, rng)
+            count += 1
     cp.cuda.Device().synchronize()
     print(
         f"ran {count} cases (the norms' and the fused add's kernels, aligned and misaligned rows)"

@@ -70,9 +70,26 @@ MIN_BLOCK = 128
 #: GPU (they depend on the number of row groups; the row outputs never do). Read at every launch
 #: (:func:`grid`): tests lower it so that a few units take many rows (tests/test_gpu_rows.py).
 GRID_THREADS = {"fwd": 1 << 19, "bwd": 1 << 18}
-#: Long rows (several tiles) keep their partial parameter gradients in memory: at most this many
-#: elements per partial buffer.
+#: Elements of a partial parameter-gradient buffer (units, d) at most, for long rows.
 LONG_ROW_PARTIAL = 1 << 24
+#: The long-row backward (rows longer than one tile of the largest backward shape, launched as
+#: the ``*_bwd_long`` kernels): a block of LONG_R threads per row, LONG_BLOCKS_PER_SM blocks
+#: resident on each SM (``__launch_bounds__(R, 2)`` in norms.cu: at most 128 registers a
+#: thread), one unit per block, LONG_BLOCKS_PER_SM units per SM of the device. The number of
+#: units, and with it the grouping of rows in the parameter gradients (not the row outputs),
+#: therefore depends on the GPU's SM count, as it depends on the number of rows.
+LONG_R = 256
+LONG_BLOCKS_PER_SM = 2
+#: Columns a block of the second-stage parameter-gradient sum adds (norms.cu LNLIB_SUM_COLS),
+#: with 32 lanes each: blocks of 32 * SUM_COLUMNS threads.
+SUM_COLUMNS = 8
+#: Test hook: a cap on the dynamic shared memory of the long-row backward, in bytes (None: what
+#: the device allows; read at every launch). Lowering it moves tiles of partial sums and of the
+#: row from shared memory to global memory, which changes no bit of any result.
+LONG_SHARED_CAP = None
+#: SM count assumed where no device is asked (the CPU model of the kernels in the tests): an
+#: H100 or H200.
+DEFAULT_SMS = 132
 
 _lock = threading.Lock()
 _modules = {}
@@ -134,6 +151,49 @@ def launch_shape(op, dtype, d):
     return r, maxv, -(-chunks // (r * maxv))
 
 
+def long_shape(op, dtype, d):
+    """``(R, MAXV, tiles)`` of the long-row backward kernel ``op + "_long"`` for rows of ``d``
+    elements (launched where :func:`launch_shape` gives more than one tile): LONG_R threads,
+    the largest shape's vectors per thread."""
+    vec = 16 // ITEMSIZE[_layout(dtype)]
+    maxv = shapes(op, dtype)[-1][1]
+    chunks = -(-d // vec)
+    return LONG_R, maxv, -(-chunks // (LONG_R * maxv))
+
+
+def long_units(m, d, sms=None):
+    """Units (blocks) of the long-row backward for ``m`` rows of ``d`` elements on a GPU of
+    ``sms`` SMs: LONG_BLOCKS_PER_SM per SM, at most one per row, within GRID_THREADS["bwd"]
+    (the test hook) and LONG_ROW_PARTIAL."""
+    sms = DEFAULT_SMS if sms is None else sms
+    cap = max(1, GRID_THREADS["bwd"] // LONG_R)
+    return max(1, min(m, LONG_BLOCKS_PER_SM * sms, cap, max(1, LONG_ROW_PARTIAL // d)))
+
+
+def long_plan(op, dtype, d, budget):
+    """``(part_tiles, stage_tiles, shared bytes)`` of the long-row backward on rows of ``d``
+    within ``budget`` bytes of dynamic shared memory: first as many tiles of the unit's partial
+    parameter gradients as fit (each on-chip tile saves a read and a write of the partial sums
+    per row), then as many tiles of the row's x and dy (each saves a second read of the row).
+    The layout is that of ``norm_bwd_long`` in norms.cu. Changes no bit of any result."""
+    tiles, per_part, per_stage = long_tile_bytes(op, dtype, d)
+    part_tiles = max(0, min(tiles, budget // per_part))
+    stage_tiles = max(0, min(tiles, (budget - part_tiles * per_part) // per_stage))
+    return part_tiles, stage_tiles, part_tiles * per_part + stage_tiles * per_stage
+
+
+def long_tile_bytes(op, dtype, d):
+    """``(tiles, bytes of a tile of partial sums, bytes of a staged tile of x and dy)`` of the
+    long-row backward on rows of ``d`` elements."""
+    names = _dtype_names(dtype)
+    layout, y_type = names[-1], names[0]
+    r, maxv, tiles = long_shape(op, dtype, d)
+    tile = r * maxv * (16 // ITEMSIZE[layout])  # elements
+    acc = 8 if layout == "float64" else 4
+    per_part = tile * acc * (2 if "layer_norm" in op else 1)
+    return tiles, per_part, tile * (ITEMSIZE[layout] + ITEMSIZE[y_type])
+
+
 def kernel_name(op, dtype, r, maxv):
     """The NVRTC name expression of one instantiation, e.g. ``layer_norm_fwd<float, 32, 1>``
     or ``add_layer_norm_fwd<__half, float, float, 32, 1>``."""
@@ -154,7 +214,10 @@ def fused(op, dtype):
 def name_expressions(op, dtype):
     """Every kernel of the module for ``(op, dtype)``."""
     names = [kernel_name(op, dtype, r, v) for r, v in shapes(op, dtype)]
-    return names + ([sum_name(dtype)] if op.endswith("bwd") else [])
+    if op.endswith("bwd"):
+        r, maxv, _tiles = long_shape(op, dtype, 1)
+        names += [kernel_name(op + "_long", dtype, r, maxv), sum_name(dtype)]
+    return names
 
 
 def modules():
@@ -185,8 +248,9 @@ def module(op, dtype):
 
 
 def function(op, dtype, r, maxv):
-    """The kernel ``op`` for ``dtype`` with launch shape ``(r, maxv)``."""
-    return module(op, dtype).get_function(kernel_name(op, dtype, r, maxv))
+    """The kernel ``op`` for ``dtype`` with launch shape ``(r, maxv)`` (``op`` ending in
+    ``_bwd_long``: the long-row backward, in the module of its backward)."""
+    return module(op.removesuffix("_long"), dtype).get_function(kernel_name(op, dtype, r, maxv))
 
 
 def block_threads(r):
@@ -194,11 +258,13 @@ def block_threads(r):
     return max(r, MIN_BLOCK)
 
 
-def grid(kind, m, r, d=None, tiles=1):
-    """Blocks to launch for ``m`` rows; each block loops over rows (grid-stride)."""
+def grid(kind, m, r, d=None, tiles=1, sms=None):
+    """Blocks to launch for ``m`` rows; each block loops over rows (grid-stride). A backward of
+    rows of several ``tiles`` is the long-row kernel: :func:`long_units` blocks of one row each
+    (``sms``: the GPU's SM count)."""
+    if kind == "bwd" and tiles > 1:
+        return long_units(m, d, sms)
     block = block_threads(r)
     rows_per_block = block // r
     blocks = min(-(-m // rows_per_block), max(1, GRID_THREADS[kind] // block))
-    if kind == "bwd" and tiles > 1:
-        blocks = min(blocks, max(32, LONG_ROW_PARTIAL // d))
     return max(1, blocks)

@@ -115,7 +115,8 @@ def _column_sum(op, dtype, part):
     units, d = part.shape
     out = cupy.empty(d, dtype=part.dtype)
     fn = build.module(op, dtype).get_function(build.sum_name(dtype))
-    fn((-(-d // 32),), (1024,), (part, np.int64(units), np.int32(d), out))
+    cols = build.SUM_COLUMNS
+    fn((-(-d // cols),), (32 * cols,), (part, np.int64(units), np.int32(d), out))
     return out
 
 
@@ -126,7 +127,9 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias):
     cupy = sys.modules["cupy"]
     acc = _acc(dx.dtype)
     r, maxv, tiles = build.launch_shape(op, dtype, d)
-    blocks = build.grid("bwd", m, r, d, tiles)
+    long_rows = tiles > 1  # the long-row kernel, with its own shape, units and shared memory
+    sms, budget = _device_limits() if long_rows else (None, 0)
+    blocks = build.grid("bwd", m, r, d, tiles, sms)
     units = min(m, blocks * (build.block_threads(r) // r))
     dw_part = cupy.empty((units, d), dtype=acc)
     db_part = cupy.empty((units, d), dtype=acc) if with_bias else None
@@ -144,8 +147,40 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias):
         np.int32(d),
         _vec_ok(d, dx.dtype, *arrays),
     )
-    build.function(op, dtype, r, maxv)((blocks,), (build.block_threads(r),), args)
+    if long_rows:
+        r, maxv, _tiles = build.long_shape(op, dtype, d)
+        part_tiles, stage_tiles, shared = build.long_plan(op, dtype, d, budget)
+        fn = build.function(op + "_long", dtype, r, maxv)
+        if shared > 48 * 1024:  # above the default limit: opted in per kernel
+            fn.max_dynamic_shared_size_bytes = shared
+        args += (np.int32(part_tiles), np.int32(stage_tiles))
+        fn((blocks,), (r,), args, shared_mem=shared)
+    else:
+        build.function(op, dtype, r, maxv)((blocks,), (build.block_threads(r),), args)
     return tuple(_column_sum(op, dtype, p) for p in parts)
+
+
+#: cudaDeviceAttr values (CUDA runtime enum, stable across versions).
+_SM_COUNT, _SHARED_PER_SM, _SHARED_OPTIN = 16, 81, 97
+
+
+@functools.cache
+def _device_attributes(device):
+    """``(SMs, shared memory per SM, opt-in shared memory per block)`` of a device."""
+    get = sys.modules["cupy"].cuda.runtime.deviceGetAttribute
+    return tuple(get(a, device) for a in (_SM_COUNT, _SHARED_PER_SM, _SHARED_OPTIN))
+
+
+def _device_limits():
+    """``(SM count, dynamic shared memory per block)`` of the current device for the long-row
+    backward: LONG_BLOCKS_PER_SM blocks must fit on an SM (each block reserves 1 KiB), less the
+    kernels' static shared memory (at most 2 * (LONG_R / 32) float64 values, 1 KiB allowed)."""
+    cupy = sys.modules["cupy"]
+    sms, per_sm, optin = _device_attributes(cupy.cuda.runtime.getDevice())
+    budget = min(optin, per_sm // build.LONG_BLOCKS_PER_SM - 1024) - 1024
+    if build.LONG_SHARED_CAP is not None:
+        budget = min(budget, build.LONG_SHARED_CAP)
+    return sms, max(0, budget)
 
 
 def _no_rows(out, dx, d, acc, with_bias):

@@ -6,7 +6,9 @@
 // names the instantiation when it compiles the module (NVRTC name expressions).
 //
 // A row that fits in one tile (d <= R * MAXV * V) is read once into registers and written
-// once. Longer rows are processed tile by tile and read a second time to write the result.
+// once. Longer rows are processed tile by tile: the forward reads them a second time to write
+// the result; the backward (norm_bwd_long, a block per row) keeps in shared memory as many
+// tiles of its partial parameter gradients, then of the row, as fit, and reads the rest again.
 //
 // Row arguments: x points at row 0, ldx is the distance between rows in elements. vec_ok says
 // that every row pointer is aligned to a vector (16 bytes of the layout's type; V elements of
@@ -212,8 +214,10 @@ __device__ __forceinline__ long long column(int k, int s, int j, int t, int cnt)
 // Backward: with xhat = (x - mean) * rstd and g = dy * weight, for every row
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))       (RMSNorm, CENTER false: no mean(g)).
 // dweight = sum of dy * xhat and dbias = sum of dy over the rows: each row group (unit u) adds
-// its rows in row order, in registers when a row is one tile, and writes row u of the partial
-// buffers (units, d); param_grad_sum then adds the units in a fixed order. No atomics.
+// its rows in row order, in registers, and writes row u of the partial buffers (units, d);
+// param_grad_sum then adds the units in a fixed order. No atomics.
+// This kernel takes rows of one tile (d <= R * MAXV * V; lnlib/_cuda/build.py launches it for
+// those only); longer rows go to norm_bwd_long, below, which sums each row in the same order.
 // With ADD (the fused residual add, x being h), dx is rounded to T and dh (if not null) added,
 // rounded once to T: dx is written as dsum = dh + dx. Without ADD, dh is unused and TY = T.
 template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, typename A>
@@ -223,7 +227,6 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
                                          A* dw_part, A* db_part, long long m, int d,
                                          int vec_ok) {
     const int V = Vec<T>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
-    const int tiles = lnlib::tile_count<R, MAXV, V>(d);
     __shared__ A shs[2 * (LNLIB_BLOCK(R) / 32)];
     const long long u = (long long)blockIdx.x * ROWS + threadIdx.x / R;
     A xh[MAXV][V], dyv[MAXV][V], pw[MAXV][V], pb[MAXV][V];
@@ -235,64 +238,48 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
     for (long long first = (long long)blockIdx.x * ROWS; first < m;
          first += (long long)gridDim.x * ROWS) {
         const long long row = first + threadIdx.x / R;
-        const bool active = row < m, initial = first == (long long)blockIdx.x * ROWS;
+        const bool active = row < m;  // inactive threads still meet the block's barriers
         const long long r0 = active ? row : 0;
         const A mu = CENTER ? mean[r0] : A(0), rs = rstd[r0];
         A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
-        for (int k = 0; k < tiles; ++k) {
-            bwd_tile<TY, T, R, MAXV>(dy + r0 * lddy, x + r0 * ldx, k, t, d, vec_ok, active, mu,
-                                     rs, xh, dyv, cnt);
+        bwd_tile<TY, T, R, MAXV>(dy + r0 * lddy, x + r0 * ldx, 0, t, d, vec_ok, active, mu, rs,
+                                 xh, dyv, cnt);
 #pragma unroll
-            for (int s = 0; s < MAXV; ++s)
+        for (int s = 0; s < MAXV; ++s)
 #pragma unroll
-                for (int j = 0; j < V; ++j) {
-                    const long long i = column<R, MAXV, V>(k, s, j, t, cnt[s]);
-                    const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
-                    sums[0] += g;
-                    sums[1] += g * xh[s][j];
-                }
-        }
+            for (int j = 0; j < V; ++j) {
+                const long long i = column<R, MAXV, V>(0, s, j, t, cnt[s]);
+                const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
+                sums[0] += g;
+                sums[1] += g * xh[s][j];
+            }
         lnlib::row_sum<R, 2>(sums, shs);
         if (!active) continue;
         const A c1 = CENTER ? sums[0] / A(d) : A(0), c2 = sums[1] / A(d);
-        for (int k = 0; k < tiles; ++k) {
-            if (tiles > 1)
-                bwd_tile<TY, T, R, MAXV>(dy + row * lddy, x + row * ldx, k, t, d, vec_ok, active,
-                                         mu, rs, xh, dyv, cnt);
 #pragma unroll
-            for (int s = 0; s < MAXV; ++s) {
-                A out[V];
+        for (int s = 0; s < MAXV; ++s) {
+            A out[V];
 #pragma unroll
-                for (int j = 0; j < V; ++j) {
-                    const long long i = column<R, MAXV, V>(k, s, j, t, cnt[s]);
-                    const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
-                    out[j] = rs * (g - c1 - xh[s][j] * c2);
-                    if (tiles == 1) {
-                        pw[s][j] += dyv[s][j] * xh[s][j];
-                        pb[s][j] += dyv[s][j];
-                    } else if (j < cnt[s]) {  // long rows: this unit's partial row in memory
-                        A* wrow = dw_part + u * d;
-                        wrow[i] = (initial ? A(0) : wrow[i]) + dyv[s][j] * xh[s][j];
-                        if (CENTER) {
-                            A* brow = db_part + u * d;
-                            brow[i] = (initial ? A(0) : brow[i]) + dyv[s][j];
-                        }
-                    }
-                }
-                const long long c = ((long long)k * MAXV + s) * R + t;
-                if constexpr (ADD) {
-                    if (dh && cnt[s]) {
-                        A dhv[V];
-                        lnlib::load_elems<T, V, true>(dh + row * lddh, c, d, vec_ok, dhv);
-#pragma unroll
-                        for (int j = 0; j < V; ++j) out[j] = lnlib::rounded<T>(out[j]) + dhv[j];
-                    }
-                }
-                if (cnt[s]) lnlib::store_chunk(dx + row * lddx, c, cnt[s], vec_ok, out);
+            for (int j = 0; j < V; ++j) {
+                const long long i = column<R, MAXV, V>(0, s, j, t, cnt[s]);
+                const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
+                out[j] = rs * (g - c1 - xh[s][j] * c2);
+                pw[s][j] += dyv[s][j] * xh[s][j];  // elements past the row add zeros
+                pb[s][j] += dyv[s][j];
             }
+            const long long c = (long long)s * R + t;
+            if constexpr (ADD) {
+                if (dh && cnt[s]) {
+                    A dhv[V];
+                    lnlib::load_elems<T, V, true>(dh + row * lddh, c, d, vec_ok, dhv);
+#pragma unroll
+                    for (int j = 0; j < V; ++j) out[j] = lnlib::rounded<T>(out[j]) + dhv[j];
+                }
+            }
+            if (cnt[s]) lnlib::store_chunk(dx + row * lddx, c, cnt[s], vec_ok, out);
         }
     }
-    if (tiles > 1 || u >= m) return;  // one-tile rows: this unit's sums are still in registers
+    if (u >= m) return;  // a unit without rows (only in a block's last rows)
 #pragma unroll
     for (int s = 0; s < MAXV; ++s)
 #pragma unroll
@@ -305,16 +292,171 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
         }
 }
 
+// Chunk c of a row kept in shared memory: V elements of T as one vector (V * sizeof(T)
+// bytes), converted from and to the accumulation type (exact both ways for a value of T).
+template <typename T, int V, typename A>
+__device__ __forceinline__ void stage_put(T* s, long long c, const A* a) {
+    typedef typename lnlib::Raw<V * sizeof(T)>::type W;
+    W raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < V; ++j) e[j] = lnlib::Out<T>::of(a[j]);
+    reinterpret_cast<W*>(s)[c] = raw;
+}
+
+template <typename T, int V, typename A>
+__device__ __forceinline__ void stage_get(const T* s, long long c, A* a) {
+    typedef typename lnlib::Raw<V * sizeof(T)>::type W;
+    const W raw = reinterpret_cast<const W*>(s)[c];
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < V; ++j) a[j] = lnlib::to_acc(e[j]);
+}
+
+// Backward of rows longer than one tile: a block (R threads, R >= 128) per row, block u being
+// unit u, taking rows u, u + units, ... (units = gridDim.x <= m). Per row, the arithmetic and
+// its order are norm_bwd's: each thread's elements in tile, slot, element order, then the
+// fixed trees of row_sum; xhat is recomputed in the second pass from the same x, mu and rstd,
+// so it is the value of the first. The row and the partial sums stay on chip where the
+// dynamic shared memory holds them (build.long_plan sizes it per launch):
+// - part_tiles tiles of the unit's partial sums of dy * xhat and dy (laid out [j][chunk], so
+//   that a warp's accesses are consecutive words), added to over all the unit's rows and
+//   written once, at the end, to row u of dw_part and db_part; the partial sums of the
+//   other tiles are read, added to and written back in row u of dw_part / db_part per row;
+// - stage_tiles tiles of the row's x and dy, kept by the first pass for the second; the
+//   other tiles are read again from memory.
+// Where each value is kept changes no bit: the same values are added in the same order.
+// Every shared-memory word is read and written by one thread only (thread t owns the chunks
+// c with c % R == t, in every row and both passes), so the buffers need no barrier; the only
+// barriers are row_sum's, which every thread of the block reaches (the row loop is uniform).
+template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, typename A>
+__device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, const T* x,
+                                              long long ldx, const T* dh, long long lddh,
+                                              const A* mean, const A* rstd, const A* weight,
+                                              T* dx, long long lddx, A* dw_part, A* db_part,
+                                              long long m, int d, int vec_ok, int part_tiles,
+                                              int stage_tiles) {
+    static_assert(LNLIB_BLOCK(R) == R, "a block per row");
+    const int V = Vec<T>::n, t = threadIdx.x;
+    const int tiles = lnlib::tile_count<R, MAXV, V>(d);
+    __shared__ A shs[2 * (R / 32)];
+    extern __shared__ __align__(16) unsigned char dynamic_shared[];
+    const long long chunks = (long long)part_tiles * MAXV * R;  // of the partials on chip
+    A* pw = reinterpret_cast<A*>(dynamic_shared);  // element j of chunk c: pw[j * chunks + c]
+    A* pb = pw + V * chunks;                       // (CENTER only)
+    T* xs = reinterpret_cast<T*>(pw + (CENTER ? 2 : 1) * V * chunks);  // chunk c: vector c
+    TY* dys = reinterpret_cast<TY*>(xs + (long long)stage_tiles * MAXV * R * V);
+    const long long u = blockIdx.x;
+    A* wrow = dw_part + u * d;
+    A* brow = CENTER ? db_part + u * d : db_part;
+    for (long long c = t; c < chunks; c += R)
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            pw[j * chunks + c] = A(0);
+            if (CENTER) pb[j * chunks + c] = A(0);
+        }
+    for (long long row = u; row < m; row += gridDim.x) {
+        const bool initial = row == u;
+        const A mu = CENTER ? mean[row] : A(0), rs = rstd[row];
+        const TY* dyr = dy + row * lddy;
+        const T* xr = x + row * ldx;
+        A xv[MAXV][V], dyv[MAXV][V];
+        int cnt[MAXV];
+        A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
+        for (int k = 0; k < tiles; ++k) {
+            load_tile<TY, R, MAXV, V>(dyr, k, t, d, vec_ok, true, dyv, cnt);
+            load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, true, xv, cnt);
+#pragma unroll
+            for (int s = 0; s < MAXV; ++s) {
+                const long long c = ((long long)k * MAXV + s) * R + t;
+                if (k < stage_tiles) {
+                    stage_put<T, V>(xs, c, xv[s]);
+                    stage_put<TY, V>(dys, c, dyv[s]);
+                }
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const long long i = column<R, MAXV, V>(k, s, j, t, cnt[s]);
+                    const A xh = (xv[s][j] - mu) * rs;
+                    const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
+                    sums[0] += g;
+                    sums[1] += g * xh;
+                }
+            }
+        }
+        lnlib::row_sum<R, 2>(sums, shs);
+        const A c1 = CENTER ? sums[0] / A(d) : A(0), c2 = sums[1] / A(d);
+        for (int k = 0; k < tiles; ++k) {
+            if (k < stage_tiles) {
+#pragma unroll
+                for (int s = 0; s < MAXV; ++s) {
+                    const long long c = ((long long)k * MAXV + s) * R + t;
+                    const long long rest = (long long)d - c * V;  // elements from the chunk on
+                    cnt[s] = rest <= 0 ? 0 : rest < V ? (int)rest : V;
+                    stage_get<T, V>(xs, c, xv[s]);  // past the row: the zeros staged
+                    stage_get<TY, V>(dys, c, dyv[s]);
+                }
+            } else {
+                load_tile<TY, R, MAXV, V>(dyr, k, t, d, vec_ok, true, dyv, cnt);
+                load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, true, xv, cnt);
+            }
+#pragma unroll
+            for (int s = 0; s < MAXV; ++s) {
+                const long long c = ((long long)k * MAXV + s) * R + t;
+                A out[V];
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const long long i = column<R, MAXV, V>(k, s, j, t, cnt[s]);
+                    const A xh = (xv[s][j] - mu) * rs;
+                    const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
+                    out[j] = rs * (g - c1 - xh * c2);
+                    if (j < cnt[s]) {
+                        if (k < part_tiles) {
+                            pw[j * chunks + c] += dyv[s][j] * xh;
+                            if (CENTER) pb[j * chunks + c] += dyv[s][j];
+                        } else {
+                            wrow[i] = (initial ? A(0) : wrow[i]) + dyv[s][j] * xh;
+                            if (CENTER) brow[i] = (initial ? A(0) : brow[i]) + dyv[s][j];
+                        }
+                    }
+                }
+                if constexpr (ADD) {
+                    if (dh && cnt[s]) {
+                        A dhv[V];
+                        lnlib::load_elems<T, V, true>(dh + row * lddh, c, d, vec_ok, dhv);
+#pragma unroll
+                        for (int j = 0; j < V; ++j) out[j] = lnlib::rounded<T>(out[j]) + dhv[j];
+                    }
+                }
+                if (cnt[s]) lnlib::store_chunk(dx + row * lddx, c, cnt[s], vec_ok, out);
+            }
+        }
+    }
+    // The partial sums kept on chip, written once (units have at least one row: gridDim.x <= m).
+    for (long long c = t; c < chunks; c += R)
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const long long i = c * V + j;
+            if (i < d) {
+                wrow[i] = pw[j * chunks + c];
+                if (CENTER) brow[i] = pb[j * chunks + c];
+            }
+        }
+}
+
 // Second stage of the parameter gradients: out[col] = sum over u of part[u, col], for units
-// u = 0 .. units-1. Thread (tx, ty) of a 32 x 32 block adds the units ty, ty + 32, ... of
-// column tx in order; the 32 partial sums are then added by a fixed tree over ty.
+// u = 0 .. units-1. Thread (tx, ty) of a block of 8 columns by 32 lanes adds the units ty,
+// ty + 32, ... of column blockIdx.x * 8 + tx in order; the 32 lanes' sums are then added by a
+// fixed tree over ty. (A warp reads 8 consecutive values of 4 units: whole 32-byte sectors; 8
+// columns a block spread a sum of few columns over many SMs.)
+#define LNLIB_SUM_COLS 8
 template <typename A>
 __device__ __forceinline__ void param_grad_sum_body(const A* part, long long units, int d, A* out) {
-    __shared__ A shm[32][33];
-    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
-    const long long col = (long long)blockIdx.x * 32 + tx;
+    __shared__ A shm[32][LNLIB_SUM_COLS + 1];
+    const int tx = threadIdx.x % LNLIB_SUM_COLS, ty = threadIdx.x / LNLIB_SUM_COLS;
+    const long long col = (long long)blockIdx.x * LNLIB_SUM_COLS + tx;
     A s = A(0);
     if (col < d)
+#pragma unroll 4
         for (long long u = ty; u < units; u += 32) s += part[u * d + col];
     shm[ty][tx] = s;
     __syncthreads();
@@ -415,8 +557,61 @@ add_rms_norm_bwd(const TY* dy, long long lddy, const TH* dh, long long lddh, con
                                            dsum, ldds, dw_part, (A*)0, m, d, vec_ok);
 }
 
+// The long-row backward (norm_bwd_long) of each backward above, launched with a block of R
+// threads per row, two blocks an SM (so at most 128 registers a thread) and the dynamic shared
+// memory that build.long_plan gives for part_tiles and stage_tiles.
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+layer_norm_bwd_long(const T* dy, long long lddy, const T* x, long long ldx,
+                    const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
+                    const typename Acc<T>::type* weight, T* dx, long long lddx,
+                    typename Acc<T>::type* dw_part, typename Acc<T>::type* db_part, long long m,
+                    int d, int vec_ok, int part_tiles, int stage_tiles) {
+    norm_bwd_long<T, T, R, MAXV, true, false>(dy, lddy, x, ldx, (const T*)0, 0, mean, rstd,
+                                              weight, dx, lddx, dw_part, db_part, m, d, vec_ok,
+                                              part_tiles, stage_tiles);
+}
+
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+rms_norm_bwd_long(const T* dy, long long lddy, const T* x, long long ldx,
+                  const typename Acc<T>::type* rstd, const typename Acc<T>::type* weight, T* dx,
+                  long long lddx, typename Acc<T>::type* dw_part, long long m, int d, int vec_ok,
+                  int part_tiles, int stage_tiles) {
+    typedef typename Acc<T>::type A;
+    norm_bwd_long<T, T, R, MAXV, false, false>(dy, lddy, x, ldx, (const T*)0, 0, (const A*)0,
+                                               rstd, weight, dx, lddx, dw_part, (A*)0, m, d,
+                                               vec_ok, part_tiles, stage_tiles);
+}
+
+template <typename TY, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+add_layer_norm_bwd_long(const TY* dy, long long lddy, const TH* dh, long long lddh, const TH* h,
+                        long long ldh, const typename Acc<TH>::type* mean,
+                        const typename Acc<TH>::type* rstd,
+                        const typename Acc<TH>::type* weight, TH* dsum, long long ldds,
+                        typename Acc<TH>::type* dw_part, typename Acc<TH>::type* db_part,
+                        long long m, int d, int vec_ok, int part_tiles, int stage_tiles) {
+    norm_bwd_long<TY, TH, R, MAXV, true, true>(dy, lddy, h, ldh, dh, lddh, mean, rstd, weight,
+                                               dsum, ldds, dw_part, db_part, m, d, vec_ok,
+                                               part_tiles, stage_tiles);
+}
+
+template <typename TY, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+add_rms_norm_bwd_long(const TY* dy, long long lddy, const TH* dh, long long lddh, const TH* h,
+                      long long ldh, const typename Acc<TH>::type* rstd,
+                      const typename Acc<TH>::type* weight, TH* dsum, long long ldds,
+                      typename Acc<TH>::type* dw_part, long long m, int d, int vec_ok,
+                      int part_tiles, int stage_tiles) {
+    typedef typename Acc<TH>::type A;
+    norm_bwd_long<TY, TH, R, MAXV, false, true>(dy, lddy, h, ldh, dh, lddh, (const A*)0, rstd,
+                                                weight, dsum, ldds, dw_part, (A*)0, m, d,
+                                                vec_ok, part_tiles, stage_tiles);
+}
+
 template <typename A>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(32 * LNLIB_SUM_COLS)
 param_grad_sum(const A* part, long long units, int d, A* out) {
     param_grad_sum_body(part, units, d, out);
 }
