@@ -190,20 +190,69 @@ __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* r
     }
 }
 
-// Tile k of a row for the backward: xh = (x - mu) * rstd and dyv = dy, both in A (dy of type
-// TY in chunks of x's layout).
-template <typename TY, typename T, int R, int MAXV, typename A>
-__device__ __forceinline__ void bwd_tile(const TY* dyr, const T* xr, int k, int t, int d,
-                                         bool vec_ok, bool active, A mu, A rs,
-                                         A (&xh)[MAXV][Vec<T>::n], A (&dyv)[MAXV][Vec<T>::n],
-                                         int (&cnt)[MAXV]) {
-    load_tile<TY, R, MAXV, Vec<T>::n>(dyr, k, t, d, vec_ok, active, dyv, cnt);
-    load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, active, xh, cnt);
+// Tile k of a row for the backward as loaded: each chunk of V elements of T kept in its own
+// type, as one raw vector (a 16-bit type packs two elements to a register); elements past the
+// row (or of an inactive thread) are zero. The backward converts an element where it uses it
+// (elem), so it holds x and dy in half the registers for 16-bit types and recomputes
+// xhat = (x - mu) * rstd at each use: the same value each time.
+template <typename T, int R, int MAXV, int V>
+__device__ __forceinline__ void load_raw_tile(const T* row, int k, int t, int d, bool vec_ok,
+                                              bool active,
+                                              typename lnlib::Raw<V * sizeof(T)>::type (&raw)[MAXV],
+                                              int (&cnt)[MAXV]) {
+    typedef typename lnlib::Raw<V * sizeof(T)>::type W;
 #pragma unroll
-    for (int s = 0; s < MAXV; ++s)
+    for (int s = 0; s < MAXV; ++s) {
+        const long long c = ((long long)k * MAXV + s) * R + t, i0 = c * V;
+        if (active && vec_ok && i0 + V <= d) {
+            raw[s] = __ldg(reinterpret_cast<const W*>(row) + c);
+            cnt[s] = V;
+            continue;
+        }
+        // element by element, packed into 32-bit words by value (writing the elements through
+        // a pointer into the vector put it on the stack for float16 dy in float32 rows)
+        unsigned int w[sizeof(W) / 4] = {};
+        int n = 0;
 #pragma unroll
-        for (int j = 0; j < Vec<T>::n; ++j) xh[s][j] = (xh[s][j] - mu) * rs;
+        for (int j = 0; j < V; ++j) {
+            const bool in = active && i0 + j < d;
+            lnlib::Bits<T>::put(w, j, in ? row[i0 + j] : lnlib::Out<T>::of(typename Acc<T>::type(0)));
+            n += in;
+        }
+        lnlib::from_words(w, raw[s]);
+        cnt[s] = n;
+    }
 }
+
+// Element j of a raw chunk of T, in the accumulation type.
+template <typename T, typename W> __device__ __forceinline__ auto elem(const W& raw, int j) {
+    return lnlib::to_acc(reinterpret_cast<const T*>(&raw)[j]);
+}
+
+// A tile's chunks of T as the one-tile backward holds them: a 16-bit type in 16-byte chunks
+// (its own rows) as loaded (raw vectors, two elements to a register), anything else in the
+// accumulation type (as many registers for 32- and 64-bit types; float16 dy in float32 rows,
+// 8-byte chunks, took more registers and spilled when held raw). at(s, j): element j of slot
+// s in the accumulation type.
+template <typename T, int R, int MAXV, int V, typename A,
+          bool RAW = sizeof(T) == 2 && V * sizeof(T) == 16>
+struct Held {
+    typename lnlib::Raw<V * sizeof(T)>::type raw[MAXV];
+    __device__ __forceinline__ void load(const T* row, int t, int d, bool vec_ok, bool active,
+                                         int (&cnt)[MAXV]) {
+        load_raw_tile<T, R, MAXV, V>(row, 0, t, d, vec_ok, active, raw, cnt);
+    }
+    __device__ __forceinline__ A at(int s, int j) const { return elem<T>(raw[s], j); }
+};
+
+template <typename T, int R, int MAXV, int V, typename A> struct Held<T, R, MAXV, V, A, false> {
+    A v[MAXV][V];
+    __device__ __forceinline__ void load(const T* row, int t, int d, bool vec_ok, bool active,
+                                         int (&cnt)[MAXV]) {
+        load_tile<T, R, MAXV, V>(row, 0, t, d, vec_ok, active, v, cnt);
+    }
+    __device__ __forceinline__ A at(int s, int j) const { return v[s][j]; }
+};
 
 // Column of element j of slot s of tile k for thread t (0 for elements past the row).
 template <int R, int MAXV, int V>
@@ -229,7 +278,9 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
     const int V = Vec<T>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
     __shared__ A shs[2 * (LNLIB_BLOCK(R) / 32)];
     const long long u = (long long)blockIdx.x * ROWS + threadIdx.x / R;
-    A xh[MAXV][V], dyv[MAXV][V], pw[MAXV][V], pb[MAXV][V];
+    Held<T, R, MAXV, V, A> xv;    // x, and xhat = (x - mu) * rstd recomputed at each use
+    Held<TY, R, MAXV, V, A> dyv;  // dy
+    A pw[MAXV][V], pb[MAXV][V];
     int cnt[MAXV];
 #pragma unroll
     for (int s = 0; s < MAXV; ++s)
@@ -242,16 +293,17 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
         const long long r0 = active ? row : 0;
         const A mu = CENTER ? mean[r0] : A(0), rs = rstd[r0];
         A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
-        bwd_tile<TY, T, R, MAXV>(dy + r0 * lddy, x + r0 * ldx, 0, t, d, vec_ok, active, mu, rs,
-                                 xh, dyv, cnt);
+        dyv.load(dy + r0 * lddy, t, d, vec_ok, active, cnt);
+        xv.load(x + r0 * ldx, t, d, vec_ok, active, cnt);
 #pragma unroll
         for (int s = 0; s < MAXV; ++s)
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const long long i = column<R, MAXV, V>(0, s, j, t, cnt[s]);
-                const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
+                const A dy1 = dyv.at(s, j), xh = (xv.at(s, j) - mu) * rs;
+                const A g = weight ? dy1 * __ldg(weight + i) : dy1;
                 sums[0] += g;
-                sums[1] += g * xh[s][j];
+                sums[1] += g * xh;
             }
         lnlib::row_sum<R, 2>(sums, shs);
         if (!active) continue;
@@ -262,10 +314,11 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const long long i = column<R, MAXV, V>(0, s, j, t, cnt[s]);
-                const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
-                out[j] = rs * (g - c1 - xh[s][j] * c2);
-                pw[s][j] += dyv[s][j] * xh[s][j];  // elements past the row add zeros
-                pb[s][j] += dyv[s][j];
+                const A dy1 = dyv.at(s, j), xh = (xv.at(s, j) - mu) * rs;
+                const A g = weight ? dy1 * __ldg(weight + i) : dy1;
+                out[j] = rs * (g - c1 - xh * c2);
+                pw[s][j] += dy1 * xh;  // elements past the row add zeros
+                pb[s][j] += dy1;
             }
             const long long c = (long long)s * R + t;
             if constexpr (ADD) {

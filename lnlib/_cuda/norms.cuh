@@ -54,6 +54,39 @@ template <> struct Raw<16> { typedef uint4 type; };
 template <> struct Raw<8> { typedef uint2 type; };
 template <> struct Raw<4> { typedef unsigned int type; };
 
+// The bits of element j of a vector of T, placed in its 32-bit words w (zero to begin with).
+template <typename T> struct Bits;
+template <> struct Bits<float> {
+    static __device__ void put(unsigned int* w, int j, float v) { w[j] = __float_as_uint(v); }
+};
+template <> struct Bits<double> {
+    static __device__ void put(unsigned int* w, int j, double v) {
+        w[2 * j] = (unsigned int)__double2loint(v);
+        w[2 * j + 1] = (unsigned int)__double2hiint(v);
+    }
+};
+template <> struct Bits<__half> {
+    static __device__ void put(unsigned int* w, int j, __half v) {
+        w[j / 2] |= (unsigned int)__half_as_ushort(v) << (16 * (j % 2));
+    }
+};
+template <> struct Bits<__nv_bfloat16> {
+    static __device__ void put(unsigned int* w, int j, __nv_bfloat16 v) {
+        w[j / 2] |= (unsigned int)__bfloat16_as_ushort(v) << (16 * (j % 2));
+    }
+};
+
+// A vector from its 32-bit words.
+__device__ __forceinline__ void from_words(const unsigned int (&w)[4], uint4& r) {
+    r = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void from_words(const unsigned int (&w)[2], uint2& r) {
+    r = make_uint2(w[0], w[1]);
+}
+__device__ __forceinline__ void from_words(const unsigned int (&w)[1], unsigned int& r) {
+    r = w[0];
+}
+
 // One B-byte vector from p: through the read-only cache (NC), or by a plain load, which also
 // sees what this thread stored earlier in the kernel (the fused forward rereads h it wrote,
 // and its residual may be h itself).
