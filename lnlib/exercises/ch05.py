@@ -218,14 +218,42 @@ def check_min_time(fn: Callable[..., Any]) -> CheckResult:
 
 
 def _ref_sharded_rms_rstd(shards, eps):
-    x = np.concatenate(shards, axis=-1)
+    x = np.concatenate([np.asarray(s) for s in shards], axis=-1)  # the whole rows, to compare
     return reference.rms_norm_forward(x, eps=eps)[1]
+
+
+#: The NumPy functions that join arrays: what a rank, which holds its own columns only,
+#: cannot do with the other ranks' shards.
+_JOINS = {
+    np.concatenate,
+    np.stack,
+    np.hstack,
+    np.vstack,
+    np.dstack,
+    np.column_stack,
+    np.block,
+    np.append,
+}
+
+
+class _RankShard(np.ndarray):
+    """One rank's columns of the rows: joining it with other shards into whole rows raises."""
+
+    def __array_function__(self, func, types, args, kwargs):
+        if func in _JOINS:
+            raise ValueError(
+                f"shards: np.{func.__name__} gathers whole rows, which no rank holds; combine "
+                "one number per row from each shard"
+            )
+        return super().__array_function__(func, types, args, kwargs)
 
 
 def check_sharded_rms_rstd(fn: Callable[..., Any]) -> CheckResult:
     """Check ``fn(shards, eps) -> rstd``: the RMSNorm ``rstd`` (shape (N,)) of rows split by
     columns into the float64 arrays ``shards`` (each (N, h_r)), combining one number per row
-    per shard, as the ranks of a sharded RMSNorm would.
+    per shard, as the ranks of a sharded RMSNorm would. In the last case the shards refuse to
+    be joined (``np.concatenate``, ``np.stack``, ``np.hstack``, ...): gathering whole rows is
+    what the sharded computation avoids.
     """
     rng = _rng()
     x = rng.normal(size=(4, 12))
@@ -235,6 +263,10 @@ def check_sharded_rms_rstd(fn: Callable[..., Any]) -> CheckResult:
         Case("one shard", ([x], 1e-6)),
         Case("eps = 0.5", ([x[:, :5], x[:, 5:]], 0.5)),
         Case("a zero row", ([np.zeros((2, 3)), np.zeros((2, 4))], 1e-6)),
+        Case(
+            "three shards held by three ranks (no rank may join them into whole rows)",
+            ([s.view(_RankShard) for s in np.array_split(x, [5, 7], axis=1)], 1e-6),
+        ),
     ]
     return check(
         fn,

@@ -60,6 +60,11 @@ def sharded_rms_mean_of_means(shards, eps):
     return 1 / np.sqrt(ms + eps)
 
 
+def sharded_rms_gathers_rows(shards, eps):
+    x = np.concatenate(shards, axis=-1)  # the right number, but every rank needs whole rows
+    return 1 / np.sqrt((x * x).mean(axis=-1) + eps)
+
+
 def lane_sum(x, lanes=16):
     n = x.shape[-1]
     acc = np.zeros(x.shape[:-1] + (lanes,), x.dtype)
@@ -205,6 +210,9 @@ def test_mistakes_are_caught(capsys):
     assert not ch05.check_backward_from_output(backward_ignores_bias)
     assert not ch05.check_min_time(lambda M, H, i, b, backward=False: 2 * M * H * i / b)
     assert not ch05.check_sharded_rms_rstd(sharded_rms_mean_of_means)
+    gathered = ch05.check_sharded_rms_rstd(sharded_rms_gathers_rows)
+    assert [f.index for f in gathered.failures] == [6]
+    assert "np.concatenate gathers whole rows" in gathered.failures[0].reason
     assert not ch05.check_lane_sum(lambda x, lanes=16: x.sum(axis=-1))
     assert not ch05.check_lane_sum(lane_sum_lanes_added_in_order)
     assert not ch05.check_lane_sum(lane_sum_old_exercise)
@@ -215,7 +223,7 @@ def test_mistakes_are_caught(capsys):
 
     assert not ch05.check_lane_sum(in_float64)
     out = capsys.readouterr().out
-    assert out.count("FAIL") == 10
+    assert out.count("FAIL") == 11
     assert "a mean of 1e8" in out
 
 
