@@ -1,8 +1,9 @@
 """lnlib's CUDA row functions where the other GPU tests do not reach: parameter gradients
 accumulated over many rows per unit (the partial sums that one-tile rows keep in registers, and
 those of long rows, kept in shared memory or read, modified and written in memory, the row
-staged in shared memory or read twice), grid-stride loops of many passes, and bfloat16 forward
-and backward at several row lengths.
+staged in shared memory or read twice), one-tile float16/bfloat16 rows in blocks of 512
+threads, which load each unit's next row early, grid-stride loops of many passes, and bfloat16
+forward and backward at several row lengths.
 
 Each check runs on the CUDA kernels (marker ``gpu``: skipped with the reason where CuPy or a GPU
 is missing, failing instead under ``LNLIB_REQUIRE_GPU=1``; ``make gpu-check`` runs them) and,
@@ -448,6 +449,48 @@ def _many_rows_params():
 def test_parameter_gradients_over_many_rows_per_unit(request, monkeypatch, kind, case, norm, dtype):
     """Every output of the forward and the backward when units take many rows: dweight and
     dbias exact, the rest within the dtype's rounding."""
+    rows = _rows(kind, request)
+    _cap_grid(monkeypatch, case)
+    check_many_rows_per_unit(rows, case, norm, dtype)
+
+
+# One-tile rows of 512 threads, 16-bit: the next row loaded before the barriers -----------------
+
+#: Rows that the one-tile backward gives blocks of 512 threads in float16 and bfloat16, where it
+#: loads each unit's next row before the current row's barriers (norms.cu, PREFETCH): two units
+#: of 150 rows each (6001: not whole vectors, element by element).
+PREFETCH_CASES = (
+    Case(8000, 300, (4096, 1024), "registers"),
+    Case(6001, 300, (4096, 1024), "registers"),
+)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", PREFETCH_CASES, ids=str)
+def test_prefetch_cases_reach_what_they_are_for(monkeypatch, case, dtype):
+    _cap_grid(monkeypatch, case)
+    for norm in NORMS:
+        r, _maxv, tiles = build.launch_shape(f"{norm}_bwd", dtype, case.d)
+        geo = geometry(norm, dtype, case.m, case.d)
+        assert (r, tiles) == (512, 1) and geo.units == 2 and geo.most >= 100, (norm, geo)
+
+
+def _prefetch_params():
+    params = []
+    for case in PREFETCH_CASES:
+        for norm in NORMS:
+            for dtype in ("float16", "bfloat16"):
+                for kind in ("model", "cuda"):
+                    marks = [pytest.mark.gpu] if kind == "cuda" else []
+                    ident = f"{kind}-{norm}-{dtype}-{case}"
+                    params.append(pytest.param(kind, case, norm, dtype, marks=marks, id=ident))
+    return params
+
+
+@pytest.mark.parametrize("kind,case,norm,dtype", _prefetch_params())
+def test_rows_loaded_ahead_give_every_output(request, monkeypatch, kind, case, norm, dtype):
+    """Every output of the forward and the backward where each unit loads its next row early:
+    dweight and dbias exact, the rest within the dtype's rounding."""
     rows = _rows(kind, request)
     _cap_grid(monkeypatch, case)
     check_many_rows_per_unit(rows, case, norm, dtype)

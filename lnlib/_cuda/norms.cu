@@ -282,19 +282,36 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
     Held<TY, R, MAXV, V, A> dyv;  // dy
     A pw[MAXV][V], pb[MAXV][V];
     int cnt[MAXV];
+    // Blocks of 512 threads (one an SM at up to 128 registers a thread, whatever the kernel
+    // uses) stall at every barrier with nothing else to run. There, where x and dy are held raw
+    // (16-bit types), the registers that frees hold the next row, loaded before this row's
+    // barriers (row_sum), so that its loads are in flight meanwhile. Smaller blocks keep the
+    // registers for more resident blocks (e.g. 72 rather than 127 for float16 LayerNorm).
+    constexpr bool PREFETCH = LNLIB_BLOCK(R) >= 512 &&
+                              sizeof(Held<T, R, MAXV, V, A>) < MAXV * V * sizeof(A) &&
+                              sizeof(Held<TY, R, MAXV, V, A>) < MAXV * V * sizeof(A);
 #pragma unroll
     for (int s = 0; s < MAXV; ++s)
 #pragma unroll
         for (int j = 0; j < V; ++j) pw[s][j] = pb[s][j] = A(0);
-    for (long long first = (long long)blockIdx.x * ROWS; first < m;
-         first += (long long)gridDim.x * ROWS) {
+    const long long step = (long long)gridDim.x * ROWS;
+    if constexpr (PREFETCH) {
+        const long long row = (long long)blockIdx.x * ROWS + threadIdx.x / R;
+        const bool active = row < m;
+        const long long r0 = active ? row : 0;
+        dyv.load(dy + r0 * lddy, t, d, vec_ok, active, cnt);
+        xv.load(x + r0 * ldx, t, d, vec_ok, active, cnt);
+    }
+    for (long long first = (long long)blockIdx.x * ROWS; first < m; first += step) {
         const long long row = first + threadIdx.x / R;
         const bool active = row < m;  // inactive threads still meet the block's barriers
         const long long r0 = active ? row : 0;
         const A mu = CENTER ? mean[r0] : A(0), rs = rstd[r0];
         A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
-        dyv.load(dy + r0 * lddy, t, d, vec_ok, active, cnt);
-        xv.load(x + r0 * ldx, t, d, vec_ok, active, cnt);
+        if constexpr (!PREFETCH) {
+            dyv.load(dy + r0 * lddy, t, d, vec_ok, active, cnt);
+            xv.load(x + r0 * ldx, t, d, vec_ok, active, cnt);
+        }
 #pragma unroll
         for (int s = 0; s < MAXV; ++s)
 #pragma unroll
@@ -305,31 +322,49 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
                 sums[0] += g;
                 sums[1] += g * xh;
             }
+        Held<T, R, MAXV, V, A> xn;  // the next row (PREFETCH only)
+        Held<TY, R, MAXV, V, A> dyn;
+        int cntn[MAXV];
+        if constexpr (PREFETCH) {
+            const long long nrow = row + step;
+            const bool nactive = nrow < m;
+            const long long n0 = nactive ? nrow : 0;
+            dyn.load(dy + n0 * lddy, t, d, vec_ok, nactive, cntn);
+            xn.load(x + n0 * ldx, t, d, vec_ok, nactive, cntn);
+        }
         lnlib::row_sum<R, 2>(sums, shs);
-        if (!active) continue;
-        const A c1 = CENTER ? sums[0] / A(d) : A(0), c2 = sums[1] / A(d);
+        if (active) {
+            const A c1 = CENTER ? sums[0] / A(d) : A(0), c2 = sums[1] / A(d);
 #pragma unroll
-        for (int s = 0; s < MAXV; ++s) {
-            A out[V];
+            for (int s = 0; s < MAXV; ++s) {
+                A out[V];
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const long long i = column<R, MAXV, V>(0, s, j, t, cnt[s]);
-                const A dy1 = dyv.at(s, j), xh = (xv.at(s, j) - mu) * rs;
-                const A g = weight ? dy1 * __ldg(weight + i) : dy1;
-                out[j] = rs * (g - c1 - xh * c2);
-                pw[s][j] += dy1 * xh;  // elements past the row add zeros
-                pb[s][j] += dy1;
-            }
-            const long long c = (long long)s * R + t;
-            if constexpr (ADD) {
-                if (dh && cnt[s]) {
-                    A dhv[V];
-                    lnlib::load_elems<T, V, true>(dh + row * lddh, c, d, vec_ok, dhv);
-#pragma unroll
-                    for (int j = 0; j < V; ++j) out[j] = lnlib::rounded<T>(out[j]) + dhv[j];
+                for (int j = 0; j < V; ++j) {
+                    const long long i = column<R, MAXV, V>(0, s, j, t, cnt[s]);
+                    const A dy1 = dyv.at(s, j), xh = (xv.at(s, j) - mu) * rs;
+                    const A g = weight ? dy1 * __ldg(weight + i) : dy1;
+                    out[j] = rs * (g - c1 - xh * c2);
+                    pw[s][j] += dy1 * xh;  // elements past the row add zeros
+                    pb[s][j] += dy1;
                 }
+                const long long c = (long long)s * R + t;
+                if constexpr (ADD) {
+                    if (dh && cnt[s]) {
+                        A dhv[V];
+                        lnlib::load_elems<T, V, true>(dh + row * lddh, c, d, vec_ok, dhv);
+#pragma unroll
+                        for (int j = 0; j < V; ++j)
+                            out[j] = lnlib::rounded<T>(out[j]) + dhv[j];
+                    }
+                }
+                if (cnt[s]) lnlib::store_chunk(dx + row * lddx, c, cnt[s], vec_ok, out);
             }
-            if (cnt[s]) lnlib::store_chunk(dx + row * lddx, c, cnt[s], vec_ok, out);
+        }
+        if constexpr (PREFETCH) {
+            xv = xn;
+            dyv = dyn;
+#pragma unroll
+            for (int s = 0; s < MAXV; ++s) cnt[s] = cntn[s];
         }
     }
     if (u >= m) return;  // a unit without rows (only in a block's last rows)
