@@ -534,6 +534,77 @@ def test_shared_caps_reach_each_plan():
     assert {(True, True), (False, False)} <= seen, seen
 
 
+def long_kernel_accesses(norm, dtype, d, budget):
+    """The dynamic shared memory accesses of norm_bwd_long (norms.cu) for rows of ``d``, its
+    index expressions written out in NumPy for every thread at once: an array of (first byte,
+    bytes, thread, value) for the zeroing, both passes of one row and the final write, where
+    value names what is kept there (which buffer, chunk and element), and the bytes the launch
+    gives it (build.long_plan)."""
+    op = f"{norm}_bwd"
+    r, maxv, tiles = build.long_shape(op, dtype, d)
+    part_tiles, stage_tiles, shared = build.long_plan(op, dtype, d, budget)
+    vec = 16 // build.ITEMSIZE[dtype]
+    acc, item = (8 if dtype == "float64" else 4), build.ITEMSIZE[dtype]
+    chunks = part_tiles * maxv * r
+    parts = 2 if norm == "layer_norm" else 1
+    xs = parts * vec * chunks * acc  # byte offset of the staged x, then dy
+    dys = xs + stage_tiles * maxv * r * vec * item
+    t = np.arange(r)
+    found = []
+
+    def add(first, size, threads, buffer, chunk, j=0):
+        value = (buffer * 2**40 + chunk * 64 + j) * np.ones_like(first)
+        found.append(np.stack([first, np.full_like(first, size), threads, value], axis=1))
+
+    for c0 in range(0, chunks, r):  # zeroing and the final write: c = t, t + R, ... < chunks
+        c = c0 + t
+        for j in range(vec):
+            for q in range(parts):  # pw, then pb (LayerNorm)
+                add((q * vec * chunks + j * chunks + c) * acc, acc, t, q, c, j)
+    for k in range(tiles):
+        for s in range(maxv):
+            c = (k * maxv + s) * r + t
+            inside = c * vec < d
+            if k < stage_tiles:  # pass 1 stores every slot's vector; pass 2 reads it back
+                add(xs + c * vec * item, vec * item, t, 2, c)
+                add(dys + c * vec * item, vec * item, t, 3, c)
+            if k < part_tiles:  # pass 2: pw[j * chunks + c] for the elements inside the row
+                for j in range(vec):
+                    ok = inside & (c * vec + j < d)
+                    for q in range(parts):
+                        add((q * vec * chunks + j * chunks + c[ok]) * acc, acc, t[ok], q, c[ok], j)
+    return (np.concatenate(found) if found else np.zeros((0, 4), int)), shared
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
+def test_long_kernel_shared_memory_is_in_bounds_and_per_thread(norm, dtype):
+    """Under every cap of shared_caps and the H100 budget, every shared-memory access of
+    norm_bwd_long lies inside the bytes the launch gives it, no byte is touched by two
+    threads (so the buffers need no barrier) and no byte holds two values (two elements, or
+    two buffers)."""
+    for case in LONG_CASES:
+        caps = [c for c in shared_caps(norm, dtype, case.d) if c is not None] + [112 * 1024]
+        for cap in caps:
+            acc, shared = long_kernel_accesses(norm, dtype, case.d, cap)
+            what = f"{norm} {dtype} d={case.d} cap={cap}"
+            if not len(acc):
+                assert shared == 0, what
+                continue
+            ends = acc[:, 0] + acc[:, 1]
+            assert acc[:, 0].min() >= 0 and ends.max() <= shared, what
+            for col, name in ((2, "threads"), (3, "values")):
+                lo = np.full(shared, np.iinfo(np.int64).max)  # per byte: lowest, highest
+                hi = np.full(shared, -1)
+                for size in np.unique(acc[:, 1]):
+                    rows = acc[acc[:, 1] == size]
+                    byte = (rows[:, :1] + np.arange(size)).ravel()
+                    np.minimum.at(lo, byte, np.repeat(rows[:, col], size))
+                    np.maximum.at(hi, byte, np.repeat(rows[:, col], size))
+                touched = hi >= 0
+                assert (lo[touched] == hi[touched]).all(), f"{what}: bytes shared by two {name}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", NORMS)
