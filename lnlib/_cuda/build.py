@@ -174,7 +174,8 @@ def long_plan(op, dtype, d, budget):
     """``(part_tiles, stage_tiles, shared bytes)`` of the long-row backward on rows of ``d``
     within ``budget`` bytes of dynamic shared memory: first as many tiles of the unit's partial
     parameter gradients as fit (each on-chip tile saves a read and a write of the partial sums
-    per row), then as many tiles of the row's x and dy (each saves a second read of the row).
+    per row; the kernel keeps one more tile of them, tile ``part_tiles``, in registers), then
+    as many tiles of the row's x and dy (each saves a second read of the row).
     The layout is that of ``norm_bwd_long`` in norms.cu. Changes no bit of any result."""
     tiles, per_part, per_stage = long_tile_bytes(op, dtype, d)
     part_tiles = max(0, min(tiles, budget // per_part))

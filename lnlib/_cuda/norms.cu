@@ -410,7 +410,9 @@ __device__ __forceinline__ void stage_get(const T* s, long long c, A* a) {
 // - part_tiles tiles of the unit's partial sums of dy * xhat and dy (laid out [j][chunk], so
 //   that a warp's accesses are consecutive words), added to over all the unit's rows and
 //   written once, at the end, to row u of dw_part and db_part; the partial sums of the
-//   other tiles are read, added to and written back in row u of dw_part / db_part per row;
+//   tile part_tiles (if any) in registers, likewise written once at the end; the partial
+//   sums of the tiles after it are read, added to and written back in row u of dw_part /
+//   db_part per row;
 // - stage_tiles tiles of the row's x and dy, kept by the first pass for the second; the
 //   other tiles are read again from memory.
 // Where each value is kept changes no bit: the same values are added in the same order.
@@ -443,6 +445,11 @@ __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, cons
             pw[j * chunks + c] = A(0);
             if (CENTER) pb[j * chunks + c] = A(0);
         }
+    A rw[MAXV][V], rb[MAXV][V];  // the partial sums of tile part_tiles
+#pragma unroll
+    for (int s = 0; s < MAXV; ++s)
+#pragma unroll
+        for (int j = 0; j < V; ++j) rw[s][j] = rb[s][j] = A(0);
     for (long long row = u; row < m; row += gridDim.x) {
         const bool initial = row == u;
         const A mu = CENTER ? mean[row] : A(0), rs = rstd[row];
@@ -501,6 +508,9 @@ __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, cons
                         if (k < part_tiles) {
                             pw[j * chunks + c] += dyv[s][j] * xh;
                             if (CENTER) pb[j * chunks + c] += dyv[s][j];
+                        } else if (k == part_tiles) {
+                            rw[s][j] += dyv[s][j] * xh;
+                            if (CENTER) rb[s][j] += dyv[s][j];
                         } else {
                             wrow[i] = (initial ? A(0) : wrow[i]) + dyv[s][j] * xh;
                             if (CENTER) brow[i] = (initial ? A(0) : brow[i]) + dyv[s][j];
@@ -529,6 +539,17 @@ __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, cons
                 if (CENTER) brow[i] = pb[j * chunks + c];
             }
         }
+    if (part_tiles < tiles)
+#pragma unroll
+        for (int s = 0; s < MAXV; ++s)
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const long long i = (((long long)part_tiles * MAXV + s) * R + t) * V + j;
+                if (i < d) {
+                    wrow[i] = rw[s][j];
+                    if (CENTER) brow[i] = rb[s][j];
+                }
+            }
 }
 
 // Second stage of the parameter gradients: out[col] = sum over u of part[u, col], for units
