@@ -148,7 +148,7 @@ def merge_moments(counts, means, m2s):
 
     Notes
     -----
-    T. F. Chan, G. D@@ Golub and R. J. LeVeque, "Algorithms for computing the sample
+    T. F. Chan, G. H. Golub and R. J. LeVeque, "Algorithms for computing the sample
     variance: analysis and recommendations", The American Statistician 37(3), 1983.
     Covered in :ref:`sec-ch05-numerics` and :ref:`sec-ch05-sharded`.
     """

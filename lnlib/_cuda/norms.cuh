@@ -177,8 +177,8 @@ __device__ __forceinline__ Stats<A> chan_merge(Stats<A> a, Stats<A> b) {
     return r;
 }
 
-// Statistics of one thread's slots of a tile, by two passes over registers: the exact mean of
-// its few values first, then their squared deviations from it.
+// Statistics of one thread's slots of a tile, by two passes over registers: the mean of its few
+// values first (their sum in A, divided once), then their squared deviations from it.
 template <int MAXV, int V, typename A>
 __device__ __forceinline__ Stats<A> thread_stats(const A (&v)[MAXV][V], const int (&cnt)[MAXV]) {
     Stats<A> s;
