@@ -123,6 +123,7 @@ _CDECL = {dtype: f"{ctype}[]" for dtype, (ctype, _) in _CTYPES.items()}
 #: The dtype of mean, rstd, weight, bias and the parameter gradients, by the dtype of x.
 _ACC = {dtype: np.dtype(np.float64 if dtype == np.float64 else np.float32) for dtype in _CTYPES}
 _FILLED = {}  # read-only ones and zeros for absent parameters, by (D, dtype, value)
+_C_FUNCTIONS = {}  # the loaded module's exports, by (direction, suffix)
 #: The exported kernels (norms.h): one forward and one backward per dtype mix.
 _FUNCTIONS = [
     f"norms_{direction}_{suffix}"
@@ -312,16 +313,24 @@ def ordinary_stores():
 
 
 def _c_function(direction, suffix):
-    """``norms_forward_<suffix>`` or ``norms_backward_<suffix>`` of the loaded module."""
-    module = _module()
-    if module is None:
-        raise RuntimeError(f"lnlib: the compiled CPU kernel is not available: {_state['reason']}")
-    return getattr(module.lib, f"norms_{direction}_{suffix}")
+    """``norms_forward_<suffix>`` or ``norms_backward_<suffix>`` of the loaded module (looked
+    up once: a name built and found on every call costs a small call a microsecond)."""
+    fn = _C_FUNCTIONS.get((direction, suffix))
+    if fn is None:
+        module = _module()
+        if module is None:
+            raise RuntimeError(
+                f"lnlib: the compiled CPU kernel is not available: {_state['reason']}"
+            )
+        fn = _C_FUNCTIONS[direction, suffix] = getattr(module.lib, f"norms_{direction}_{suffix}")
+    return fn
 
 
 def _at(p, offset):
-    """``p + offset``, or NULL for NULL (an absent residual, dh, mean or bias)."""
-    return p if p == _state["module"].ffi.NULL else p + offset
+    """``p + offset``; ``p`` itself at offset 0 (the first chunk, and every call of one chunk,
+    so that a small call makes no new pointer) and for NULL (an absent residual, dh, mean or
+    bias)."""
+    return p + offset if offset and p != _state["module"].ffi.NULL else p
 
 
 def _pointer(a, writable=False):
@@ -596,11 +605,12 @@ def _forward(rms, suffix, x, residual, params, eps, h_dtype, out, threads=None):
     h = out_array(out, 1, (m, n), h_dtype) if fused else None  # (M, D)
     # mean and rstd in buffers of their own: a caller that keeps only rstd (the backward from
     # the output) must not keep mean alive with it
-    stats = [out_array(out, fused + 1 + i, m, acc) for i in range(1 if rms else 2)]  # (M,) each
+    rstd = out_array(out, fused + 1 + (not rms), m, acc)  # (M,)
+    stats = (rstd,) if rms else (out_array(out, fused + 1, m, acc), rstd)  # (M,) each
     weight = _vector(params[0], n, acc, 1)
     bias = None if rms else _vector(params[1], n, acc, 0)
     p_w, p_b = _pointer(weight), null if rms else _pointer(bias)
-    p_x, p_y, p_rstd = _pointer(x), _pointer(y, writable=True), _pointer(stats[-1], writable=True)
+    p_x, p_y, p_rstd = _pointer(x), _pointer(y, writable=True), _pointer(rstd, writable=True)
     p_mean = null if rms else _pointer(stats[0], writable=True)
     p_r, ld_r, p_h, nbytes = null, 0, null, x.nbytes
     if fused:
@@ -613,16 +623,16 @@ def _forward(rms, suffix, x, residual, params, eps, h_dtype, out, threads=None):
         _ok(
             fn(
                 rms,
-                p_x + start * ld_x,
+                _at(p_x, start * ld_x),
                 ld_x,
                 _at(p_r, start * ld_r),
                 ld_r,
                 p_w,
                 p_b,
-                p_y + start * n,
+                _at(p_y, start * n),
                 _at(p_h, start * n),
                 _at(p_mean, start),
-                p_rstd + start,
+                _at(p_rstd, start),
                 stop - start,
                 n,
                 eps,
@@ -660,17 +670,17 @@ def _backward(rms, suffix, dy, dh, x, stats, weight, out, threads=None):
         _ok(
             fn(
                 rms,
-                p_dy + start * ld_dy,
+                _at(p_dy, start * ld_dy),
                 ld_dy,
                 _at(p_dh, start * ld_dh),
                 ld_dh,
-                p_x + start * ld_x,
+                _at(p_x, start * ld_x),
                 ld_x,
                 _at(p_mean, start),
-                p_rstd + start,
+                _at(p_rstd, start),
                 p_w,
-                p_dx + start * n,
-                p_dw + b * n,
+                _at(p_dx, start * n),
+                _at(p_dw, b * n),
                 _at(p_db, b * n),
                 stop - start,
                 n,
