@@ -431,18 +431,28 @@ def check_many_rows_per_unit(rows, case, norm, dtype):
         _exact(rows, a, want, f"{what} {name}")
 
 
-def _many_rows_params():
+def _kind_params(cases, dtypes, model_skips=lambda case, norm, dtype: False):
+    """(kind, case, norm, dtype) for the CPU model and the GPU (marked ``gpu``), every case,
+    norm and dtype, less the model runs ``model_skips`` names."""
     params = []
-    for case in CASES:
+    for case in cases:
         for norm in NORMS:
-            for dtype in DTYPES:
+            for dtype in dtypes:
                 for kind in ("model", "cuda"):
-                    if kind == "model" and case in LARGE and (case, norm, dtype) not in MODEL_LARGE:
+                    if kind == "model" and model_skips(case, norm, dtype):
                         continue
                     marks = [pytest.mark.gpu] if kind == "cuda" else []
                     ident = f"{kind}-{norm}-{dtype}-{case}"
                     params.append(pytest.param(kind, case, norm, dtype, marks=marks, id=ident))
     return params
+
+
+def _many_rows_params():
+    return _kind_params(
+        CASES,
+        DTYPES,
+        lambda case, norm, dtype: case in LARGE and (case, norm, dtype) not in MODEL_LARGE,
+    )
 
 
 @pytest.mark.parametrize("kind,case,norm,dtype", _many_rows_params())
@@ -475,19 +485,9 @@ def test_prefetch_cases_reach_what_they_are_for(monkeypatch, case, dtype):
         assert (r, tiles) == (512, 1) and geo.units == 2 and geo.most >= 100, (norm, geo)
 
 
-def _prefetch_params():
-    params = []
-    for case in PREFETCH_CASES:
-        for norm in NORMS:
-            for dtype in ("float16", "bfloat16"):
-                for kind in ("model", "cuda"):
-                    marks = [pytest.mark.gpu] if kind == "cuda" else []
-                    ident = f"{kind}-{norm}-{dtype}-{case}"
-                    params.append(pytest.param(kind, case, norm, dtype, marks=marks, id=ident))
-    return params
-
-
-@pytest.mark.parametrize("kind,case,norm,dtype", _prefetch_params())
+@pytest.mark.parametrize(
+    "kind,case,norm,dtype", _kind_params(PREFETCH_CASES, ("float16", "bfloat16"))
+)
 def test_rows_loaded_ahead_give_every_output(request, monkeypatch, kind, case, norm, dtype):
     """Every output of the forward and the backward where each unit loads its next row early:
     dweight and dbias exact, the rest within the dtype's rounding."""
