@@ -267,14 +267,20 @@ struct rows {
  * in float64, to the sum's pairwise total, and the totals go to sum[]. The unroll pragma keeps
  * the lane loop for the vectoriser (fully unrolled first, GCC would make the block loop
  * in-order reductions). The short group goes to zeroed lanes of its own, then added lane by
- * lane, so that a stays in registers; the same bits, as a lane that starts at +0 is never -0. */
+ * lane, so that a stays in registers; the same bits, as a lane that starts at +0 is never -0.
+ * LANES_ZERO zeroes lanes by a loop unrolled into vector stores: GCC makes an initializer
+ * ({{0}}) of these arrays a memset (rep stos), slow to start, once per block. */
+#define LANES_ZERO(a, count)                                                                   \
+    for (int c_ = 0; c_ < (count); c_++)                                                       \
+    _Pragma("GCC unroll 16") for (int k_ = 0; k_ < LANES; k_++) a[c_][k_] = 0
 #define LANE_PASS(count, n, sum, ...)                                                          \
     do {                                                                                       \
         struct pairwise s_;                                                                    \
         s_.blocks = 0;                                                                         \
         for (ptrdiff_t start = 0; start < (n); start += BLOCK) {                               \
             ptrdiff_t end = start + block_len(start, (n)), i = start;                          \
-            T a[count][LANES] = {{0}};                                                         \
+            T a[count][LANES];                                                                 \
+            LANES_ZERO(a, count);                                                              \
             for (; i + LANES <= end; i += LANES)                                               \
                 _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                        \
                 {                                                                              \
@@ -282,7 +288,8 @@ struct rows {
                     __VA_ARGS__                                                                \
                 }                                                                              \
             if (i < end) {                                                                     \
-                T t_[count][LANES] = {{0}};                                                    \
+                T t_[count][LANES];                                                            \
+                LANES_ZERO(t_, count);                                                         \
                 for (int k = 0; i < end; i++, k++) {                                           \
                     const ptrdiff_t e = i;                                                     \
                     T(*a)[LANES] = t_;                                                         \
