@@ -67,7 +67,7 @@ def _channel_view(x):
 
 def _check_channels(x):
     if x.ndim < 2:
-        raise ValueError(f"x must have shape (B, C, ...) with at least 2 axes, got {x.shape}")
+        raise ValueError(f"x must have shape (N, C, ...) with at least 2 axes, got {x.shape}")
     if x.shape[1] == 0:
         raise ValueError(f"x must have at least one channel (axis 1), got shape {x.shape}")
     if x.size == 0:

@@ -608,10 +608,11 @@ class GroupNorm(nn.Module):
         super().__init__()
         if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
             raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
-        if num_groups < 1 or num_channels % num_groups:
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        if num_channels % num_groups:
             raise ValueError(
-                f"num_groups must be >= 1 and divide num_channels = {num_channels}, "
-                f"got {num_groups}"
+                f"num_groups must divide num_channels = {num_channels}, got {num_groups}"
             )
         self.num_groups, self.num_channels, self.eps = num_groups, num_channels, eps
         self.affine = affine
