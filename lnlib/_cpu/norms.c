@@ -264,12 +264,12 @@ struct rows {
 /* The skeleton of a pass over the rows (norms_rows.h): per block, the lanes a[c] of `count`
  * sums, to which the statements `...` add element e to lane k (element i of the block to lane
  * i % LANES, the last short group's element k to lane k); then each block's lanes are added,
- * in float64, to the sum's pairwise total, and the totals go to sum[]. The unroll pragma keeps
- * the lane loop for the vectoriser (fully unrolled first, GCC would make the block loop
- * in-order reductions). The short group goes to zeroed lanes of its own, then added lane by
- * lane, so that a stays in registers; the same bits, as a lane that starts at +0 is never -0.
- * LANES_ZERO zeroes lanes by a loop unrolled into vector stores: GCC makes an initializer
- * ({{0}}) of these arrays a memset (rep stos), slow to start, once per block. */
+ * in float64, to the sum's pairwise total, and the totals go to sum[]. Unrolled: the lane loop
+ * 8 times for the vectoriser (fully, GCC makes the block loop in-order reductions), the block
+ * loop (i from the block's start) 4 times, else its control outweighs its sums in short rows.
+ * The short group goes to zeroed lanes of its own, added lane by lane, so that a stays in
+ * registers; the same bits, as a lane that starts at +0 is never -0. LANES_ZERO zeroes lanes by
+ * vector stores: GCC makes an initializer ({{0}}) a per-block memset (rep stos, slow to start). */
 #define LANES_ZERO(a, count)                                                                   \
     for (int c_ = 0; c_ < (count); c_++)                                                       \
     _Pragma("GCC unroll 16") for (int k_ = 0; k_ < LANES; k_++) a[c_][k_] = 0
@@ -278,20 +278,20 @@ struct rows {
         struct pairwise s_;                                                                    \
         s_.blocks = 0;                                                                         \
         for (ptrdiff_t start = 0; start < (n); start += BLOCK) {                               \
-            ptrdiff_t end = start + block_len(start, (n)), i = start;                          \
+            ptrdiff_t len = block_len(start, (n)), i = 0;                                      \
             T a[count][LANES];                                                                 \
             LANES_ZERO(a, count);                                                              \
-            for (; i + LANES <= end; i += LANES)                                               \
+            _Pragma("GCC unroll 4") for (; i + LANES <= len; i += LANES)                       \
                 _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                        \
                 {                                                                              \
-                    const ptrdiff_t e = i + k;                                                 \
+                    const ptrdiff_t e = start + i + k;                                         \
                     __VA_ARGS__                                                                \
                 }                                                                              \
-            if (i < end) {                                                                     \
+            if (i < len) {                                                                     \
                 T t_[count][LANES];                                                            \
                 LANES_ZERO(t_, count);                                                         \
-                for (int k = 0; i < end; i++, k++) {                                           \
-                    const ptrdiff_t e = i;                                                     \
+                for (int k = 0; i < len; i++, k++) {                                           \
+                    const ptrdiff_t e = start + i;                                             \
                     T(*a)[LANES] = t_;                                                         \
                     __VA_ARGS__                                                                \
                 }                                                                              \
