@@ -88,7 +88,7 @@ def _norm_setup(layer, normalized_shape, eps, affine, weight_offset, bias=None):
 class _Norm(_Layer):
     """What LayerNorm and RMSNorm (and their fused forms) share: :func:`_norm_setup`, then the
     parameters held; a forward that runs an lnlib forward on ``x`` (fused: ``x`` and
-    ``residual``) and a backward that runs its backward."""
+    ``residual``) with them, for the steps that :func:`_norm_steps` writes."""
 
     def _setup(self, normalized_shape, eps, affine, dtype, weight_offset, bias=None):
         fills = _norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
@@ -107,12 +107,48 @@ class _Norm(_Layer):
         self._saved = saved, back  # h, *stats
         return y, saved[0]
 
-    def _backward(self, backward, *douts):
-        saved, kw = self._take()
-        return self._keep(*backward(*douts, *saved, self.weight, **kw))
+
+def _norm_steps(lnlib_forward, lnlib_backward, stored, result=None):
+    """Class decorator, the one pattern of the steps of a :class:`_Norm` layer: a ``forward``
+    through ``lnlib_forward`` (``x`` to ``y``, which is ``result``; for the fused add,
+    ``add_...``, ``x, residual`` to ``y, h``) and a ``backward`` through ``lnlib_backward``
+    (``dy``, fused also ``dh``, then what the forward saved) that stores the gradients
+    ``stored``."""
+    if lnlib_forward.__name__.startswith("add_"):
+        forward_doc, backward_doc = _docs.ADD_FORWARD, (stored, *_docs.ADD_BACKWARD)
+
+        def forward(self, x, residual):
+            return self._forward(lnlib_forward, x, residual, residual_dtype=self.residual_dtype)
+
+        def backward(self, dy, dh=None):
+            saved, kw = self._take()
+            return self._keep(*lnlib_backward(dy, dh, *saved, self.weight, **kw))
+
+    else:
+        forward_doc, backward_doc = ("(*lead, *normalized_shape)", result), (stored,)
+
+        def forward(self, x):
+            return self._forward(lnlib_forward, x)
+
+        def backward(self, dy):
+            saved, kw = self._take()
+            return self._keep(*lnlib_backward(dy, *saved, self.weight, **kw))
+
+    def make(cls):
+        _docs.layer_forward(lnlib_forward.__name__, *forward_doc)(forward)
+        _docs.layer_backward(lnlib_backward.__name__, *backward_doc)(backward)
+        for step in (forward, backward):  # the class's own methods, for help() and the gates
+            step.__qualname__ = f"{cls.__qualname__}.{step.__name__}"
+            setattr(cls, step.__name__, step)
+        return cls
+
+    return make
 
 
 @_params
+@_norm_steps(
+    layer_norm_forward, layer_norm_backward, "``dweight`` and ``dbias``", "The normalized input."
+)
 class LayerNorm(_Norm):
     r"""LayerNorm over the trailing ``normalized_shape`` axes, with weight and bias.
 
@@ -123,18 +159,9 @@ class LayerNorm(_Norm):
                  dtype=np.float32, *, weight_offset=0.0):  # fmt: skip
         self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset, bias)
 
-    @_docs.layer_forward(
-        "layer_norm_forward", "(*lead, *normalized_shape)", "The normalized input."
-    )
-    def forward(self, x):
-        return self._forward(layer_norm_forward, x)
-
-    @_docs.layer_backward("layer_norm_backward", "``dweight`` and ``dbias``")
-    def backward(self, dy):
-        return self._backward(layer_norm_backward, dy)
-
 
 @_rms_params
+@_norm_steps(rms_norm_forward, rms_norm_backward, "``dweight``", "The rescaled input.")
 class RMSNorm(_Norm):
     """RMSNorm over the trailing ``normalized_shape`` axes, with a weight (gain).
 
@@ -144,14 +171,6 @@ class RMSNorm(_Norm):
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, dtype=np.float32,
                  *, weight_offset=0.0):  # fmt: skip
         self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset)
-
-    @_docs.layer_forward("rms_norm_forward", "(*lead, *normalized_shape)", "The rescaled input.")
-    def forward(self, x):
-        return self._forward(rms_norm_forward, x)
-
-    @_docs.layer_backward("rms_norm_backward", "``dweight``")
-    def backward(self, dy):
-        return self._backward(rms_norm_backward, dy)
 
 
 @_params
@@ -400,6 +419,7 @@ class DynamicTanh(_Layer):
 
 
 @_params
+@_norm_steps(add_layer_norm_forward, add_layer_norm_backward, "``dweight`` and ``dbias``")
 class AddLayerNorm(LayerNorm):
     r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives
     ``(y, h)`` with ``h = residual + x`` and ``y`` the LayerNorm of ``h``.
@@ -413,20 +433,9 @@ class AddLayerNorm(LayerNorm):
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
 
-    @_docs.layer_forward("add_layer_norm_forward", *_docs.ADD_FORWARD)
-    def forward(self, x, residual):
-        return self._forward(
-            add_layer_norm_forward, x, residual, residual_dtype=self.residual_dtype
-        )
-
-    @_docs.layer_backward(
-        "add_layer_norm_backward", "``dweight`` and ``dbias``", *_docs.ADD_BACKWARD
-    )
-    def backward(self, dy, dh=None):
-        return self._backward(add_layer_norm_backward, dy, dh)
-
 
 @_rms_params
+@_norm_steps(add_rms_norm_forward, add_rms_norm_backward, "``dweight``")
 class AddRMSNorm(RMSNorm):
     r"""The residual add fused with :class:`RMSNorm`, as :class:`AddLayerNorm` fuses it with
     :class:`LayerNorm`: ``y`` is the RMSNorm of ``h``. Covered in :ref:`sec-ch05-fused-add`.
@@ -437,11 +446,3 @@ class AddRMSNorm(RMSNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, dtype,
                          weight_offset=weight_offset)  # fmt: skip
         self.residual_dtype = residual_dtype
-
-    @_docs.layer_forward("add_rms_norm_forward", *_docs.ADD_FORWARD)
-    def forward(self, x, residual):
-        return self._forward(add_rms_norm_forward, x, residual, residual_dtype=self.residual_dtype)
-
-    @_docs.layer_backward("add_rms_norm_backward", "``dweight``", *_docs.ADD_BACKWARD)
-    def backward(self, dy, dh=None):
-        return self._backward(add_rms_norm_backward, dy, dh)
