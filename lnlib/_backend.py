@@ -1,9 +1,9 @@
 """The one place that chooses how an operation runs: :data:`TABLE` and :func:`select`.
 
-A public function validates its arguments, asks :func:`select` for a row function, reshapes to
-rows and calls it (the row contract: :mod:`lnlib._rows`). An implementation is a module with
-``<op>_rows`` for each of :data:`OPS` and ``available() -> (usable, reason)``; it plugs in with
-one row of :data:`TABLE`, and one place in :data:`AUTO` if ``"auto"`` is to take it.
+A public function validates its arguments, asks :func:`select` for a row function and calls it
+on rows (the contract: :mod:`lnlib._rows`). An implementation, a module with ``<op>_rows`` for
+each of :data:`OPS` and ``available() -> (usable, reason)``, plugs in with a row of :data:`TABLE`
+(and a place in :data:`AUTO` if ``"auto"`` is to take it).
 """
 
 import contextlib
@@ -19,6 +19,8 @@ __all__ = ["use_implementation", "show_config"]
 
 OPS = ("layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward")
 OPS += tuple("add_" + op for op in OPS)  # the fused residual add (lnlib.add_norm)
+#: Ops only the CUDA kernels have (AdaLN, GroupNorm): select gives None elsewhere (see callers).
+OPTIONAL_OPS = ("modulated_layer_norm_forward", "modulated_layer_norm_backward")
 DTYPES = ("float16", "float32", "float64")  # what every implementation takes
 Row = namedtuple("Row", "module arrays description")
 #: Each implementation: its module and the arrays it takes ("numpy", "cupy" or "any").
@@ -46,27 +48,25 @@ def _module(name):
 
 def select(op, xp):
     """The row function of ``op`` for ``xp`` (NumPy or CuPy) arrays of :data:`DTYPES`: the
-    forced implementation's (:func:`use_implementation`), else the first available of :data:`AUTO`.
+    forced implementation's (:func:`use_implementation`), else the first available of :data:`AUTO`
+    (None for one of :data:`OPTIONAL_OPS` that this implementation lacks).
     Raises what :func:`use_implementation` says; ValueError: bad LNLIB_CPU_KERNEL or threads."""
     arrays = "numpy" if xp is np else "cupy"
     if arrays == "numpy":
         check_thread_setting()  # every call, small ones too
     name = _forced.get()
-    if name == "auto":
-        for name in AUTO[arrays]:
-            if (module := _module(name)).available()[0]:
-                break
-        return getattr(module, op + "_rows")
+    if name == "auto":  # the first available (the last one always is)
+        name = next((n for n in AUTO[arrays] if _module(n).available()[0]), AUTO[arrays][-1])
+        return getattr(_module(name), op + "_rows", None)
     row, where = TABLE[name], f"lnlib.use_implementation({name!r}) is in force but"
     if row.arrays not in ("any", arrays):
         raise TypeError(
             f"{where} it runs on {row.arrays} arrays and x is a {arrays} array; use 'auto' or "
             f"one for {arrays} arrays"
         )
-    usable, reason = _module(name).available()
-    if not usable:
-        raise RuntimeError(f"{where} it is not available here: {reason}")
-    return getattr(_module(name), op + "_rows")
+    if not (found := _module(name).available())[0]:
+        raise RuntimeError(f"{where} it is not available here: {found[1]}")
+    return getattr(_module(name), op + "_rows", None)
 
 
 @contextlib.contextmanager

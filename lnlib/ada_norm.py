@@ -14,6 +14,8 @@ computes ``SiLU(c) @ weight + bias`` on rows). With the adaLN-Zero initialisatio
 identity on its residual branch, because the gate that multiplies the branch is zero.
 """
 
+import math
+
 import numpy as np
 
 from . import _validate as check
@@ -119,7 +121,10 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
 
     Notes
     -----
-    Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
+    On CuPy arrays the CUDA kernels apply the modulation inside the LayerNorm kernel (x read
+    once, y written once), with ``1 + scale`` and ``shift`` in the accumulation dtype; the
+    other paths compute the LayerNorm, then the modulation. Covered in
+    :doc:`/book/04_variants`, section "Conditioning through the norm".
 
     References
     ----------
@@ -129,8 +134,15 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
     x, shift, scale = _inputs(x, shift, scale, xp)
     eps = check.eps_value(eps)
     k = check.normalized_ndim_value(x, normalized_ndim)
-    forward_rows = select("layer_norm_forward", xp)
     acc, lead = accumulation_dtype(x.dtype), x.shape[: x.ndim - k]
+    modulated = select("modulated_layer_norm_forward", xp)
+    if modulated is not None and x.size:  # CUDA: the modulation inside the LayerNorm kernel
+        pshape, group, mods = _param_layout(x.shape, k, shift.shape, scale.shape)
+        weight = 1 + _param_rows(scale, pshape, mods, acc, xp)  # 1 + scale as on the CPU paths
+        bias = _param_rows(shift, pshape, mods, acc, xp)
+        y, mean, rstd = modulated(as_rows(x, k), weight, bias, eps, group, mods)
+        return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
+    forward_rows = select("layer_norm_forward", xp)
     xhat, mean, rstd = forward_rows(as_rows(x, k), None, None, eps=eps)
     y = xhat.reshape(x.shape)  # modulated in place, in the accumulation dtype per element
     xp.multiply(y, 1 + scale.astype(acc, copy=False), out=y, casting="same_kind")
@@ -182,8 +194,11 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
     -----
     Runs on the LayerNorm row implementation chosen by :func:`lnlib.use_implementation`,
     block by block, so the temporaries stay small; accumulated in float32 for float16/float32
-    ``x`` (float64 for float64), whatever the dtype of ``mean`` and ``rstd``. Covered in
-    :doc:`/book/04_variants`, section "Conditioning through the norm".
+    ``x`` (float64 for float64), whatever the dtype of ``mean`` and ``rstd``; ``dshift`` and
+    ``dscale`` are summed in float64. On CuPy arrays the CUDA kernels compute dx, dshift and
+    dscale in one LayerNorm backward with per-row weight ``1 + scale``, the sums in the
+    accumulation dtype. Covered in :doc:`/book/04_variants`, section "Conditioning through the
+    norm".
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, scale=scale)
     dy, x, (mean, rstd), k = check.backward_inputs(dy, x, xp, mean=mean, rstd=rstd)
@@ -193,9 +208,18 @@ def ada_layer_norm_backward(dy, x, mean, rstd, scale, *, shift_shape=None):
         scale.shape if shift_shape is None else check.shape_value(shift_shape, "shift_shape")
     )
     check.broadcast_modulation(np.empty(shift_shape, dtype=np.int8), "shift_shape", x)
-    backward_rows = select("layer_norm_backward", xp)
     acc = accumulation_dtype(x.dtype)
     mean, rstd = mean.astype(acc, copy=False), rstd.astype(acc, copy=False)  # (N,), (N,)
+    modulated = select("modulated_layer_norm_backward", xp)
+    if modulated is not None and x.size:  # CUDA: dscale, dshift summed per parameter row
+        pshape, group, mods = _param_layout(x.shape, k, shift_shape, scale.shape)
+        weight = 1 + _param_rows(scale, pshape, mods, acc, xp)
+        rows = as_rows(dy, k), as_rows(x, k), mean.reshape(-1), rstd.reshape(-1), weight
+        dx, dw, db = modulated(*rows, group, mods)  # dw, db: (mods, D)
+        dshift = sum_to_shape(db.reshape(pshape), shift_shape).astype(scale.dtype)
+        dscale = sum_to_shape(dw.reshape(pshape), scale.shape).astype(scale.dtype)
+        return dx.reshape(x.shape), dshift, dscale
+    backward_rows = select("layer_norm_backward", xp)
     scale_shape = scale.shape
     scale = scale.reshape((1,) * (x.ndim - scale.ndim) + scale.shape)  # padded to x.ndim
     dx = xp.empty_like(x)  # (N, D)
@@ -235,6 +259,37 @@ def _blocks(lead, row_size):
     step = max(1, _BLOCK // inner)
     for i in range(0, lead[0], step):
         yield (slice(i, min(i + step, lead[0])),)
+
+
+def _param_layout(shape, k, *param_shapes):
+    """How the CUDA kernels' modulated LayerNorm takes parameters that broadcast against ``x``
+    of ``shape`` (``k`` normalized axes): ``(pshape, group, mods)``. The parameters are laid out
+    as ``pshape`` (their lead axes as broadcast together, x's normalized axes in full), that is
+    ``mods`` rows of D values, and row i of x takes parameter row ``(i // group) % mods``, with
+    ``group`` 1 or ``mods * group`` the rows of x (the layouts the kernels take). So (B, 1, D)
+    for (B, T, D) x gives group T and mods B, (1, T, D) group 1 and mods T; parameters that
+    vary along lead axes that are not the first ones and are followed by others are laid out
+    over those too, and any that vary along axes that are not consecutive, per row of x."""
+    lead, norm = shape[: len(shape) - k], shape[len(shape) - k :]
+    padded = [(1,) * (len(shape) - len(p)) + tuple(p) for p in param_shapes]
+    plead = tuple(max(p[i] for p in padded) for i in range(len(lead)))
+    varies = [i for i, n in enumerate(plead) if n != 1]
+    if varies and plead[varies[0] : varies[-1] + 1] != lead[varies[0] : varies[-1] + 1]:
+        plead = lead  # not consecutive: one parameter row per row of x
+        varies = [i for i, n in enumerate(lead) if n != 1]
+    if not varies:
+        return plead + norm, 1, 1
+    first, last = varies[0], varies[-1]
+    group, mods = math.prod(lead[last + 1 :]), math.prod(lead[first : last + 1])
+    if group > 1 and group * mods < math.prod(lead):  # e.g. (1, T, 1, D) for (B, T, S, D) x
+        return plead[: last + 1] + lead[last + 1 :] + norm, 1, group * mods
+    return plead + norm, group, mods
+
+
+def _param_rows(p, pshape, mods, dtype, xp):
+    """Parameter ``p`` broadcast to ``pshape`` as (mods, D) rows in ``dtype`` (may be ``p``)."""
+    p = p.reshape((1,) * (len(pshape) - p.ndim) + p.shape)
+    return xp.ascontiguousarray(xp.broadcast_to(p, pshape), dtype=dtype).reshape(mods, -1)
 
 
 def _broadcast_index(idx, shape):

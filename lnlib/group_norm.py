@@ -114,6 +114,17 @@ def _channels(a):
     return a.reshape(a.shape[0], a.shape[1], math.prod(a.shape[2:]))
 
 
+def _group_rows(p, x, num_groups, dtype, xp):
+    """A per-channel parameter (C,) as the rows of the groups (G, C/G * L) in ``dtype``: channel
+    j's value at each of its L positions, as the CUDA kernels' modulated LayerNorm takes it
+    (``None`` stays ``None``)."""
+    if p is None:
+        return None
+    c, g, spatial = x.shape[1], num_groups, math.prod(x.shape[2:])
+    laid = xp.broadcast_to(p.reshape(g, c // g, 1), (g, c // g, spatial))
+    return xp.ascontiguousarray(laid, dtype=dtype).reshape(g, -1)
+
+
 def _per_channel(p, x, dtype):
     """A (C,) parameter shaped (C, 1) to broadcast against ``x`` viewed as (B, C, L)."""
     return p.astype(dtype, copy=False).reshape(x.shape[1], 1)
@@ -169,8 +180,10 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     -----
     Statistics are computed by the LayerNorm row implementation on the rows (corrected
     two-pass, accumulated in float32 for float16/float32 and float64 for float64), so each
-    example's result is bitwise independent of the other examples in the batch. Covered in
-    :doc:`/book/04_variants`, section "The family by axes".
+    example's result is bitwise independent of the other examples in the batch. On CuPy
+    arrays the CUDA kernels apply the per-channel gain and bias inside the LayerNorm kernel (x
+    read once, y written once). Covered in :doc:`/book/04_variants`, section "The family by
+    axes".
 
     References
     ----------
@@ -184,6 +197,11 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     eps = check.eps_value(eps)
     n, c = x.shape[:2]
     acc = accumulation_dtype(x.dtype)
+    modulated = select("modulated_layer_norm_forward", xp)
+    if modulated is not None and x.size:  # CUDA: the affine map inside the LayerNorm kernel
+        w, b = (_group_rows(p, x, g, acc, xp) for p in (weight, bias))
+        y, mean, rstd = modulated(x.reshape(n * g, -1), w, b, eps, 1, g)  # row i: group i % G
+        return y.reshape(x.shape), mean.reshape(n, g), rstd.reshape(n, g)
     forward_rows = select("layer_norm_forward", xp)
     xhat, mean, rstd = forward_rows(_rows(x, g, acc), None, None, eps=eps)  # (N*G, D) in acc
     y = _channels(xhat.reshape(x.shape))  # (B, C, L): a fresh array, scaled in place
@@ -239,6 +257,8 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
 
     Notes
     -----
+    ``dweight`` and ``dbias`` are summed over the examples in float64; on CuPy arrays the CUDA
+    kernels compute dx and per-group sums in one LayerNorm backward, in the accumulation dtype.
     Covered in :doc:`/book/04_variants`, section "The family by axes".
     """
     xp = get_array_module(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
@@ -252,6 +272,13 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     acc = accumulation_dtype(x.dtype)
     # the accumulation dtype is that of x, whatever dtype the statistics were saved in
     mean, rstd = (s.astype(acc, copy=False).reshape(-1) for s in (mean, rstd))
+    pdtype = x.dtype if weight is None else weight.dtype
+    modulated = select("modulated_layer_norm_backward", xp)
+    if modulated is not None and x.size:  # CUDA: one LayerNorm backward, gradients per group row
+        rows = dy.reshape(n * g, -1), x.reshape(n * g, -1), mean, rstd
+        dx, dw, db = modulated(*rows, _group_rows(weight, x, g, acc, xp), 1, g)  # dw, db: (G, D)
+        dweight, dbias = (p.reshape(c, -1).sum(axis=1).astype(pdtype) for p in (dw, db))
+        return dx.reshape(x.shape), dweight, dbias
     dya = _channels(dy.astype(acc, copy=False))  # (B, C, L)
     gs = dya if weight is None else dya * _per_channel(weight, x, acc)
     backward_rows = select("layer_norm_backward", xp)
@@ -260,6 +287,5 @@ def group_norm_backward(dy, x, mean, rstd, num_groups, weight=None):
     # per (example, channel) sums along the contiguous axis, then over examples in float64
     dweight = (dya * _channels(xhat.reshape(x.shape))).sum(axis=2).sum(axis=0, dtype=np.float64)
     dbias = dya.sum(axis=2).sum(axis=0, dtype=np.float64)
-    pdtype = x.dtype if weight is None else weight.dtype
     dx = dx.reshape(x.shape).astype(x.dtype, copy=False)
     return dx, dweight.astype(pdtype), dbias.astype(pdtype)

@@ -9,7 +9,7 @@ import pytest
 from conftest import run_json
 
 import lnlib
-from lnlib import _rows
+from lnlib import _backend, _rows
 
 # 8 threads wait at a barrier, then each makes its first lnlib call (the first load of the
 # kernel module happens in one of them). A switch interval of 1 us makes the interpreter
@@ -160,3 +160,21 @@ def test_a_forked_child_starts_with_one_thread(thread_state):
     with multiprocessing.get_context("fork").Pool(1) as pool:
         assert pool.apply(_in_child) == (1, False, 2)
     assert lnlib.get_num_threads() == 4
+
+
+def test_every_implementation_has_every_op_and_only_cuda_the_optional_ones():
+    """select gives None for a missing row function: every OPS function must be there (a
+    missing one would otherwise surface as a call of None), and the optional ops (the CUDA
+    kernels' modulated LayerNorm, for AdaLN and GroupNorm) are absent on the CPU paths, which
+    compose AdaLN and GroupNorm from the LayerNorm rows."""
+    import importlib
+
+    for name, row in _backend.TABLE.items():
+        module = importlib.import_module(row.module)
+        assert all(callable(getattr(module, op + "_rows", None)) for op in _backend.OPS), name
+        has = [hasattr(module, op + "_rows") for op in _backend.OPTIONAL_OPS]
+        assert has == [name == "cuda"] * len(has), name
+    for name in ("numpy", "reference"):
+        with lnlib.use_implementation(name):
+            assert _backend.select("modulated_layer_norm_forward", np) is None
+            assert _backend.select("layer_norm_forward", np) is not None

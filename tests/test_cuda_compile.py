@@ -338,7 +338,8 @@ def kernel_parameters():
     """``{kernel: (template parameter names, [(C type, is pointer), ...])}`` from norms.cu."""
     found = {}
     pattern = (
-        r"template <([^>]*)>\s*__global__ void __launch_bounds__\([^)]*\)\)?\s*(\w+)\((.*?)\)\s*\{"
+        r"template <([^>]*)>\s*__global__ void __launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*"
+        r"(\w+)\((.*?)\)\s*\{"
     )
     for m in re.finditer(pattern, build.source(), re.S):
         names = [p.split()[-1] for p in m.group(1).split(",")]
@@ -412,12 +413,21 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
                 got = np.dtype(a.dtype).name
                 assert isinstance(a, np.ndarray) == pointer, (name, i, type(a))
                 assert got == _declared(ctype, binding), (name, i, got, ctype)
+            if op.startswith("modulated_layer_norm_bwd"):  # runs of blocks, units per run
+                part, m, mods = args[9], int(args[11]), int(args[15])
+                assert grid[0] % mods == 0, (name, grid, mods)
+                blocks, rows_per_block = grid[0] // mods, block[0] // int(binding["R"])
+                per_run = (
+                    blocks if op.endswith("_long") else min(m // mods, blocks * rows_per_block)
+                )
+                assert part.shape[0] == mods * per_run, (name, part.shape, grid, mods)
+                assert blocks <= m // mods or not op.endswith("_long"), (name, blocks, m)
             launched.append(op)
 
         return launch
 
     monkeypatch.setattr(build, "function", function)
-    monkeypatch.setattr(ck, "_column_sum", lambda op, dtype, part: part.sum(axis=0))
+    monkeypatch.setattr(ck, "_column_sum", lambda op, dtype, part, runs=1: part.sum(axis=0))
     monkeypatch.setattr(ck, "_device_limits", lambda: (132, 100 * 1024))
     rng = np.random.default_rng(0)
     combos = [
@@ -437,5 +447,14 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
             ck.add_rms_norm_backward_rows(dy, dh, h, rstd, None)
         ck.layer_norm_backward_rows(dy, h, mean, rstd, w)
         ck.rms_norm_backward_rows(dy, h, rstd, w)
-    bwd = [op + "_long" for op in build.OPS + build.ADD_OPS if op.endswith("bwd")]
-    assert set(launched) == set(build.OPS + build.ADD_OPS + tuple(bwd))
+    for dt, d, (m, group, mods) in itertools.product(
+        ("float32", "float16", "float64"), (32, 1001, 20000), ((6, 2, 3), (40, 1, 4), (3, 1, 1))
+    ):
+        x, dy = (put(rng.standard_normal((m, d)), dtype=dt) for _ in range(2))
+        w = put(np.ones((mods, d)), dtype="float64" if dt == "float64" else "float32")
+        y, mean, rstd = ck.modulated_layer_norm_forward_rows(x, w, w, 1e-5, group, mods)
+        ck.modulated_layer_norm_backward_rows(dy, x, mean, rstd, w, group, mods)
+        ck.modulated_layer_norm_backward_rows(dy, x, mean, rstd, None, group, mods)
+    ops = build.OPS + build.ADD_OPS + build.MOD_OPS
+    bwd = [op + "_long" for op in ops if op.endswith("bwd")]
+    assert set(launched) == set(ops + tuple(bwd))

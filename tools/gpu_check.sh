@@ -88,9 +88,10 @@ if has_py pytest && has_py hypothesis; then
     per_test=()
     has_py pytest_timeout && per_test=(-p pytest_timeout --timeout 90)
     gpu_tests=(tests/test_gpu.py tests/test_gpu_rows.py tests/test_gpu_add_norm.py tests/test_layer_norm.py tests/test_rms_norm.py
-        tests/test_ada_norm.py)
+        tests/test_ada_norm.py
+        tests/test_gpu_modulated.py)
     has_py torch && gpu_tests+=(tests/test_torch_bridge_gpu.py)
-    step "GPU tests and the CuPy variants (LNLIB_REQUIRE_GPU=1, -m gpu)" 170 tests.log \
+    step "GPU tests and the CuPy variants (LNLIB_REQUIRE_GPU=1, -m gpu)" 190 tests.log \
         env LNLIB_REQUIRE_GPU=1 $PY -m pytest "${gpu_tests[@]}" -m gpu -q -rs -p no:cacheprovider \
         "${per_test[@]}"
 else
@@ -102,7 +103,7 @@ step "GPU benchmark" 110 bench.log $PY -m lnlib.bench_gpu --out-dir "$OUT"
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 if [ -n "$NCU" ]; then
     METRICS=dram__bytes_read.sum,dram__bytes_write.sum,l1tex__data_pipe_lsu_wavefronts.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,gpu__time_duration.sum
-    step "ncu: bytes and wavefronts (d=4096, 65536 float32; d=768 float16)" 60 ncu.csv \
+    step "ncu: bytes and wavefronts (d=4096, 65536 float32; d=768 float16)" 50 ncu.csv \
         "$NCU" --profile-from-start off --metrics "$METRICS" --csv --page raw \
         $PY tools/gpu_ncu_cases.py
 else
@@ -112,7 +113,7 @@ fi
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 if [ -n "$SAN" ]; then
     for tool in memcheck racecheck; do
-        step "compute-sanitizer $tool" 55 sanitizers.log \
+        step "compute-sanitizer $tool" 50 sanitizers.log \
             "$SAN" --tool "$tool" --error-exitcode 1 $PY tools/gpu_sanitize_cases.py
     done
 else

@@ -78,6 +78,31 @@ def run_long_plans(m, d, dtype, rng):
         build.LONG_SHARED_CAP = saved[1]
 
 
+def run_modulated(dtype, rng):
+    """AdaLN and GroupNorm (the modulated LayerNorm: parameters per row, the backward's runs),
+    with short and long rows, and one block a run (each unit taking every row of its run)."""
+    from lnlib._cuda import build
+
+    def arr(*shape):
+        return cp.asarray(rng.standard_normal(shape).astype(dtype))
+
+    saved = dict(build.GRID_THREADS)
+    try:
+        for grid in (None, build.LONG_R):
+            if grid:
+                build.GRID_THREADS["bwd"] = grid
+            for d in (33, 1001, 20000):
+                x, dy, mod = arr(2, 3, d), arr(2, 3, d), arr(2, 1, d)
+                _y, mean, rstd = lnlib.ada_layer_norm_forward(x, mod, mod)
+                lnlib.ada_layer_norm_backward(dy, x, mean, rstd, mod)
+            for shape, g in (((3, 4, 5, 7), 2), ((2, 4, 100, 60), 2)):
+                x, dy, w = arr(*shape), arr(*shape), arr(shape[1])
+                _y, mean, rstd = lnlib.group_norm_forward(x, g, w, w)
+                lnlib.group_norm_backward(dy, x, mean, rstd, g, w)
+    finally:
+        build.GRID_THREADS.update(saved)
+
+
 def main():
     rng = np.random.default_rng(0)
     count = 0
@@ -88,10 +113,12 @@ def main():
                     run_case(m, d, dtype, rng)
                     count += 1
             run_long_plans(5, 20001, dtype, rng)
-            count += 1
+            run_modulated(dtype, rng)
+            count += 2
     cp.cuda.Device().synchronize()
     print(
-        f"ran {count} cases (the norms' and the fused add's kernels, aligned and misaligned rows)"
+        f"ran {count} cases (the norms', the fused add's and the modulated LayerNorm's kernels, "
+        "aligned and misaligned rows)"
     )
     return 0
 

@@ -38,6 +38,9 @@ TYPE_NAMES = {
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 OPS = ("layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd")
+#: LayerNorm with per-row weight and bias (AdaLN's modulation, GroupNorm's per-channel affine):
+#: parameters (mods, d), row i taking row (i // group) % mods; one dtype, as OPS.
+MOD_OPS = ("modulated_layer_norm_fwd", "modulated_layer_norm_bwd")
 #: The fused residual add (lnlib.add_norm): a kernel per dtype combination, named by a tuple of
 #: dtypes, ``(x, residual, h)`` for a forward and ``(dy, h)`` for a backward.
 ADD_OPS = ("add_layer_norm_fwd", "add_layer_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd")
@@ -223,7 +226,7 @@ def name_expressions(op, dtype):
 
 def modules():
     """Every ``(op, dtype)`` lnlib compiles a module for (a fused op's dtype is a tuple)."""
-    plain = [(op, dt) for op in OPS for dt in TYPE_NAMES]
+    plain = [(op, dt) for op in OPS + MOD_OPS for dt in TYPE_NAMES]
     return plain + [(op, dts) for op in ADD_OPS for dts in FUSED[op[-3:]]]
 
 

@@ -77,8 +77,9 @@ def _check_width(d):
         raise ValueError(f"the CUDA kernels take rows of fewer than 2**31 elements, got {d}")
 
 
-def _forward(op, x, params, eps, with_mean, out):
-    """Launch forward kernel ``op`` on rows ``x``; returns y, (mean,) rstd."""
+def _forward(op, x, params, eps, with_mean, out, mod=()):
+    """Launch forward kernel ``op`` on rows ``x``; returns y, (mean,) rstd. ``mod``: the
+    ``(group, mods)`` of a modulated op, passed after the other arguments."""
     cupy = sys.modules["cupy"]
     m, d = x.shape
     _check_width(d)
@@ -102,6 +103,7 @@ def _forward(op, x, params, eps, with_mean, out):
             np.int32(d),
             acc.type(eps),
             vec_ok,
+            *(np.int64(v) for v in mod),
         )
         build.function(op, x.dtype, r, maxv)(
             (build.grid("fwd", m, r),), (build.block_threads(r),), args
@@ -109,28 +111,41 @@ def _forward(op, x, params, eps, with_mean, out):
     return (y, mean, rstd) if with_mean else (y, rstd)
 
 
-def _column_sum(op, dtype, part):
-    """Second stage of a parameter gradient: the units of ``part`` (units, D) added in order."""
+def _column_sum(op, dtype, part, runs=1):
+    """Second stage of a parameter gradient: the units of ``part`` (units, D) added in order;
+    with ``runs`` > 1, ``part`` is that many buffers of ``units // runs`` units one after the
+    other (a modulated backward), summed separately into the rows of a (runs, D) result."""
     cupy = sys.modules["cupy"]
     units, d = part.shape
-    out = cupy.empty(d, dtype=part.dtype)
+    out = cupy.empty((runs, d) if runs > 1 else d, dtype=part.dtype)
     fn = build.module(op, dtype).get_function(build.sum_name(dtype))
-    cols = build.SUM_COLUMNS
-    fn((-(-d // cols),), (32 * cols,), (part, np.int64(units), np.int32(d), out))
+    cols, per_run = build.SUM_COLUMNS, units // runs
+    for first in range(0, runs, _MAX_GRID_Y):  # a grid's y extent is at most 65535
+        n = min(runs - first, _MAX_GRID_Y)
+        args = (part[first * per_run :], np.int64(per_run), np.int32(d), out.reshape(-1, d)[first:])
+        fn((-(-d // cols), n), (32 * cols,), args)
     return out
 
 
-def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias):
+_MAX_GRID_Y = 65535
+
+
+def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()):
     """Launch backward kernel ``op`` (``dtype``: a dtype, or a fused op's tuple) with the row
     arguments ``rows`` (pairs of array and ld, the inputs before the statistics); returns
-    dweight (, dbias), the units' partial sums added in order."""
+    dweight (, dbias), the units' partial sums added in order. ``mod``: the ``(group, mods)``
+    of a modulated op, whose grid is ``mods`` runs of blocks (norms.cu, ModRows) and whose
+    parameter gradients are (mods, D)."""
     cupy = sys.modules["cupy"]
     acc = _acc(dx.dtype)
+    runs = mod[1] if mod else 1
     r, maxv, tiles = build.launch_shape(op, dtype, d)
     long_rows = tiles > 1  # the long-row kernel, with its own shape, units and shared memory
     sms, budget = _device_limits() if long_rows else (None, 0)
-    blocks = build.grid("bwd", m, r, d, tiles, sms)
-    units = min(m, blocks * (build.block_threads(r) // r))
+    # each run takes m / runs rows: about the blocks of the whole grid shared out, at least one
+    blocks = -(-build.grid("bwd", m, r, d, tiles, sms) // runs)
+    blocks = min(blocks, build.grid("bwd", m // runs, r, d, tiles, sms))
+    units = runs * min(m // runs, blocks * (build.block_threads(r) // r))
     dw_part = cupy.empty((units, d), dtype=acc)
     db_part = cupy.empty((units, d), dtype=acc) if with_bias else None
     stats = tuple(cupy.ascontiguousarray(s, dtype=acc) for s in stats)
@@ -146,6 +161,7 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias):
         np.int64(m),
         np.int32(d),
         _vec_ok(d, dx.dtype, *arrays),
+        *(np.int64(v) for v in mod),
     )
     if long_rows:
         r, maxv, _tiles = build.long_shape(op, dtype, d)
@@ -154,10 +170,10 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias):
         if shared > 48 * 1024:  # above the default limit: opted in per kernel
             fn.max_dynamic_shared_size_bytes = shared
         args += (np.int32(part_tiles), np.int32(stage_tiles))
-        fn((blocks,), (r,), args, shared_mem=shared)
+        fn((blocks * runs,), (r,), args, shared_mem=shared)
     else:
-        build.function(op, dtype, r, maxv)((blocks,), (build.block_threads(r),), args)
-    return tuple(_column_sum(op, dtype, p) for p in parts)
+        build.function(op, dtype, r, maxv)((blocks * runs,), (build.block_threads(r),), args)
+    return tuple(_column_sum(op, dtype, p, runs) for p in parts)
 
 
 #: cudaDeviceAttr values (CUDA runtime enum, stable across versions).
@@ -190,7 +206,7 @@ def _no_rows(out, dx, d, acc, with_bias):
     return written(out, (dx, zeros, zeros.copy()) if with_bias else (dx, zeros))
 
 
-def _backward(op, dy, x, stats, weight, with_bias, out):
+def _backward(op, dy, x, stats, weight, with_bias, out, mod=()):
     """Launch backward kernel ``op``; returns dx, dweight (, dbias) in the accumulation dtype."""
     cupy = sys.modules["cupy"]
     m, d = x.shape
@@ -199,9 +215,9 @@ def _backward(op, dy, x, stats, weight, with_bias, out):
     dy, lddy = _rows(dy.astype(x.dtype, copy=False))
     dx = out_array(out, 0, (m, d), x.dtype, cupy)
     if m == 0:
-        return _no_rows(out, dx, d, _acc(x.dtype), with_bias)
+        return _no_rows(out, dx, (*mod[1:], d), _acc(x.dtype), with_bias)
     rows = ((dy, lddy), (x, ldx))
-    grads = _launch_backward(op, x.dtype, m, d, rows, stats, weight, dx, with_bias)
+    grads = _launch_backward(op, x.dtype, m, d, rows, stats, weight, dx, with_bias, mod)
     return written(out, (dx, *grads))
 
 
@@ -213,6 +229,34 @@ def layer_norm_forward_rows(x, weight, bias, eps, *, out=None):
 def layer_norm_backward_rows(dy, x, mean, rstd, weight, *, out=None):
     """LayerNorm backward on rows with the CUDA kernel: ``dx, dweight, dbias``."""
     return _backward("layer_norm_bwd", dy, x, (mean, rstd), weight, True, out)
+
+
+def modulated_layer_norm_forward_rows(x, weight, bias, eps, group, mods, *, out=None):
+    """LayerNorm forward on rows ``x`` (M, D) whose weight and bias (mods, D) change with the
+    row: row i takes their row ``(i // group) % mods`` (``group`` 1 and M a multiple of
+    ``mods``, or M = ``mods * group``).
+    AdaLN (weight 1 + scale, bias shift) and GroupNorm (per-channel affine laid out per group)
+    in one pass: ``y, mean, rstd``."""
+    _check_mod(x.shape[0], group, mods)
+    mod = (group, mods)
+    return _forward("modulated_layer_norm_fwd", x, (weight, bias), eps, True, out, mod)
+
+
+def modulated_layer_norm_backward_rows(dy, x, mean, rstd, weight, group, mods, *, out=None):
+    """The backward of :func:`modulated_layer_norm_forward_rows`: ``dx, dweight, dbias``, the
+    parameter gradients (mods, D), row p summing the rows that took parameter row p."""
+    _check_mod(x.shape[0], group, mods)
+    mod = (group, mods)
+    return _backward("modulated_layer_norm_bwd", dy, x, (mean, rstd), weight, True, out, mod)
+
+
+def _check_mod(m, group, mods):
+    """The layouts the kernels take (norms.cu, ModRows): group 1, or mods * group rows."""
+    if group < 1 or mods < 1 or m % (group * mods) or (group > 1 and group * mods != m):
+        raise ValueError(
+            f"rows ({m}) must be a multiple of mods ({mods}) with group 1, or mods * group, got "
+            f"group {group}"
+        )
 
 
 def rms_norm_forward_rows(x, weight, eps, *, out=None):

@@ -120,13 +120,15 @@ __device__ __forceinline__ void add_tile(const TX* xr, const TR* rr, TH* hr, int
 // residual + x is made tile by tile as the row is first read (add_tile) and written to h, and
 // the statistics and y come from the stored h by the same code as without: y is bitwise the
 // norm of h, cast to TX. Rows longer than a tile reread h, not x and residual.
+// With MOD (AdaLN, GroupNorm: modulated_layer_norm_fwd), weight and bias are (mods, d) and row
+// i takes their row (i / group) % mods.
 template <typename TX, typename TR, typename TH, int R, int MAXV, bool CENTER, bool ADD,
-          typename A>
+          bool MOD = false, typename A>
 __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* residual,
                                          long long ldr, TH* h, long long ldh, TX* y,
                                          long long ldy, const A* weight, const A* bias,
                                          A* mean_out, A* rstd_out, long long m, int d, A eps,
-                                         int vec_ok) {
+                                         int vec_ok, long long group = 1, long long mods = 1) {
     const int V = Vec<TH>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
     const int tiles = lnlib::tile_count<R, MAXV, V>(d);
     A v[MAXV][V];
@@ -135,7 +137,8 @@ __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* r
     // allow (KEEP: at most 16 values per thread, blocks of at most 512 threads) it loads their
     // weight and bias once, before the rows, and keeps them (otherwise, and for longer rows,
     // they are loaded per tile, below). Columns past d are never stored: neutral 1 and 0.
-    constexpr bool KEEP = MAXV * V <= 16 && LNLIB_BLOCK(R) <= 512;
+    // Not with MOD: the rows of a block may take different parameter rows.
+    constexpr bool KEEP = !MOD && MAXV * V <= 16 && LNLIB_BLOCK(R) <= 512;
     A wv[MAXV][V], bv[MAXV][V];
     if constexpr (KEEP) {
 #pragma unroll
@@ -164,6 +167,9 @@ __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* r
             if (CENTER) mean_out[row] = mu;
             rstd_out[row] = rstd;
         }
+        const long long p = MOD ? (row / group) % mods * d : 0;  // this row's parameter row
+        const A* wr = weight ? weight + p : weight;
+        const A* br = bias ? bias + p : bias;
         for (int k = 0; k < tiles; ++k) {
             if (tiles > 1) {
                 if constexpr (ADD)
@@ -178,8 +184,8 @@ __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* r
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
                     const long long i = j < cnt[s] ? c * V + j : 0;
-                    const A w = KEEP && tiles == 1 ? wv[s][j] : weight ? __ldg(weight + i) : A(1);
-                    const A b = KEEP && tiles == 1 ? bv[s][j] : bias ? __ldg(bias + i) : A(0);
+                    const A w = KEEP && tiles == 1 ? wv[s][j] : wr ? __ldg(wr + i) : A(1);
+                    const A b = KEEP && tiles == 1 ? bv[s][j] : br ? __ldg(br + i) : A(0);
                     out[j] = (v[s][j] - mu) * rstd * w + b;
                     // the norm of h gives y in TH; a fused op then casts it to TX
                     if constexpr (!lnlib::Same<TX, TH>::value) out[j] = lnlib::rounded<TH>(out[j]);
@@ -260,6 +266,33 @@ __device__ __forceinline__ long long column(int k, int s, int j, int t, int cnt)
     return j < cnt ? (((long long)k * MAXV + s) * R + t) * V + j : 0;
 }
 
+// The rows the blocks of a backward take. Without MOD: every row, the grid's blocks taking
+// them in turn. With MOD (AdaLN, GroupNorm: modulated_layer_norm_bwd), row i takes row
+// (i / group) % mods of the parameters (mods, d), and the grid is mods runs of `blocks`
+// blocks, run p taking the rows of parameter row p only, so that its units' partial sums are
+// those of parameter row p. The host lays the parameters out so that either group is 1 (run
+// p: rows p, p + mods, p + 2 mods, ...) or mods * group = m (run p: rows p * group to
+// p * group + group - 1): either way run p's k-th row is p * group + k * stride, k = 0 ..
+// count - 1 (count = m / mods), with p * group added to the row pointers once, and no
+// division per row (a 64-bit division took registers enough to spill).
+template <bool MOD> struct ModRows {
+    long long count, blocks, block, param, first;
+    long long stride;
+    __device__ __forceinline__ ModRows(long long m, long long group, long long mods) {
+        blocks = MOD ? gridDim.x / mods : gridDim.x;
+        param = MOD ? blockIdx.x / blocks : 0;
+        block = blockIdx.x - param * blocks;
+        count = MOD ? m / mods : m;
+        first = param * group;
+        stride = MOD && group == 1 ? mods : 1;
+    }
+    __device__ __forceinline__ long long row(long long k) const { return MOD ? k * stride : k; }
+    // Units of one parameter row (rows of the partial buffers), with ROWS units a block.
+    __device__ __forceinline__ long long units(int rows_per_block) const {
+        return min(count, blocks * rows_per_block);
+    }
+};
+
 // Backward: with xhat = (x - mean) * rstd and g = dy * weight, for every row
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))       (RMSNorm, CENTER false: no mean(g)).
 // dweight = sum of dy * xhat and dbias = sum of dy over the rows: each row group (unit u) adds
@@ -269,15 +302,25 @@ __device__ __forceinline__ long long column(int k, int s, int j, int t, int cnt)
 // those only); longer rows go to norm_bwd_long, below, which sums each row in the same order.
 // With ADD (the fused residual add, x being h), dx is rounded to T and dh (if not null) added,
 // rounded once to T: dx is written as dsum = dh + dx. Without ADD, dh is unused and TY = T.
-template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, typename A>
+// With MOD (AdaLN, GroupNorm), see ModRows: a block takes the rows of one parameter row only.
+template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, bool MOD = false,
+          typename A>
 __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* x, long long ldx,
                                          const T* dh, long long lddh, const A* mean,
                                          const A* rstd, const A* weight, T* dx, long long lddx,
-                                         A* dw_part, A* db_part, long long m, int d,
-                                         int vec_ok) {
+                                         A* dw_part, A* db_part, long long m, int d, int vec_ok,
+                                         long long group = 1, long long mods = 1) {
     const int V = Vec<T>::n, ROWS = LNLIB_BLOCK(R) / R, t = threadIdx.x % R;
     __shared__ A shs[2 * (LNLIB_BLOCK(R) / 32)];
-    const long long u = (long long)blockIdx.x * ROWS + threadIdx.x / R;
+    const ModRows<MOD> rows(m, group, mods);
+    if (MOD) {  // the run's first row, and its parameter row
+        dy += rows.first * lddy, x += rows.first * ldx, dx += rows.first * lddx;
+        mean += rows.first, rstd += rows.first;
+        if (weight) weight += rows.param * d;
+        dw_part += rows.param * rows.units(ROWS) * d;  // the run's units' rows
+        if (CENTER) db_part += rows.param * rows.units(ROWS) * d;
+    }
+    const long long u = rows.block * ROWS + threadIdx.x / R;  // the unit, among its run's
     Held<T, R, MAXV, V, A> xv;    // x, and xhat = (x - mu) * rstd recomputed at each use
     Held<TY, R, MAXV, V, A> dyv;  // dy
     A pw[MAXV][V], pb[MAXV][V];
@@ -294,17 +337,16 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
     for (int s = 0; s < MAXV; ++s)
 #pragma unroll
         for (int j = 0; j < V; ++j) pw[s][j] = pb[s][j] = A(0);
-    const long long step = (long long)gridDim.x * ROWS;
+    const long long step = rows.blocks * ROWS;
     if constexpr (PREFETCH) {
-        const long long row = (long long)blockIdx.x * ROWS + threadIdx.x / R;
-        const bool active = row < m;
-        const long long r0 = active ? row : 0;
+        const bool active = u < rows.count;
+        const long long r0 = active ? rows.row(u) : 0;
         dyv.load(dy + r0 * lddy, t, d, vec_ok, active, cnt);
         xv.load(x + r0 * ldx, t, d, vec_ok, active, cnt);
     }
-    for (long long first = (long long)blockIdx.x * ROWS; first < m; first += step) {
-        const long long row = first + threadIdx.x / R;
-        const bool active = row < m;  // inactive threads still meet the block's barriers
+    for (long long first = rows.block * ROWS; first < rows.count; first += step) {
+        const long long k = first + threadIdx.x / R, row = rows.row(k);
+        const bool active = k < rows.count;  // inactive threads still meet the block's barriers
         const long long r0 = active ? row : 0;
         const A mu = CENTER ? mean[r0] : A(0), rs = rstd[r0];
         A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
@@ -326,9 +368,8 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
         Held<TY, R, MAXV, V, A> dyn;
         int cntn[MAXV];
         if constexpr (PREFETCH) {
-            const long long nrow = row + step;
-            const bool nactive = nrow < m;
-            const long long n0 = nactive ? nrow : 0;
+            const bool nactive = k + step < rows.count;
+            const long long n0 = nactive ? rows.row(k + step) : 0;
             dyn.load(dy + n0 * lddy, t, d, vec_ok, nactive, cntn);
             xn.load(x + n0 * ldx, t, d, vec_ok, nactive, cntn);
         }
@@ -367,7 +408,7 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
             for (int s = 0; s < MAXV; ++s) cnt[s] = cntn[s];
         }
     }
-    if (u >= m) return;  // a unit without rows (only in a block's last rows)
+    if (u >= rows.count) return;  // a unit without rows (only in a block's last rows)
 #pragma unroll
     for (int s = 0; s < MAXV; ++s)
 #pragma unroll
@@ -419,13 +460,16 @@ __device__ __forceinline__ void stage_get(const T* s, long long c, A* a) {
 // Every shared-memory word is read and written by one thread only (thread t owns the chunks
 // c with c % R == t, in every row and both passes), so the buffers need no barrier; the only
 // barriers are row_sum's, which every thread of the block reaches (the row loop is uniform).
-template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, typename A>
+// With MOD, block u takes the rows of one parameter row (ModRows), as a unit of its run.
+template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, bool MOD = false,
+          typename A>
 __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, const T* x,
                                               long long ldx, const T* dh, long long lddh,
                                               const A* mean, const A* rstd, const A* weight,
                                               T* dx, long long lddx, A* dw_part, A* db_part,
                                               long long m, int d, int vec_ok, int part_tiles,
-                                              int stage_tiles) {
+                                              int stage_tiles, long long group = 1,
+                                              long long mods = 1) {
     static_assert(LNLIB_BLOCK(R) == R, "a block per row");
     const int V = Vec<T>::n, t = threadIdx.x;
     const int tiles = lnlib::tile_count<R, MAXV, V>(d);
@@ -436,7 +480,13 @@ __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, cons
     A* pb = pw + V * chunks;                       // (CENTER only)
     T* xs = reinterpret_cast<T*>(pw + (CENTER ? 2 : 1) * V * chunks);  // chunk c: vector c
     TY* dys = reinterpret_cast<TY*>(xs + (long long)stage_tiles * MAXV * R * V);
-    const long long u = blockIdx.x;
+    const ModRows<MOD> rows(m, group, mods);
+    if (MOD) {  // the run's first row, and its parameter row
+        dy += rows.first * lddy, x += rows.first * ldx, dx += rows.first * lddx;
+        mean += rows.first, rstd += rows.first;
+        if (weight) weight += rows.param * d;
+    }
+    const long long u = blockIdx.x;  // MOD: unit rows.block of run rows.param
     A* wrow = dw_part + u * d;
     A* brow = CENTER ? db_part + u * d : db_part;
     for (long long c = t; c < chunks; c += R)
@@ -450,8 +500,9 @@ __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, cons
     for (int s = 0; s < MAXV; ++s)
 #pragma unroll
         for (int j = 0; j < V; ++j) rw[s][j] = rb[s][j] = A(0);
-    for (long long row = u; row < m; row += gridDim.x) {
-        const bool initial = row == u;
+    for (long long k = rows.block; k < rows.count; k += rows.blocks) {
+        const long long row = rows.row(k);
+        const bool initial = k == rows.block;
         const A mu = CENTER ? mean[row] : A(0), rs = rstd[row];
         const TY* dyr = dy + row * lddy;
         const T* xr = x + row * ldx;
@@ -529,7 +580,8 @@ __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, cons
             }
         }
     }
-    // The partial sums kept on chip, written once (units have at least one row: gridDim.x <= m).
+    // The partial sums kept on chip, written once (units have at least one row: the launch has
+    // rows.blocks <= rows.count).
     for (long long c = t; c < chunks; c += R)
 #pragma unroll
         for (int j = 0; j < V; ++j) {
@@ -719,8 +771,56 @@ add_rms_norm_bwd_long(const TY* dy, long long lddy, const TH* dh, long long lddh
                                                 vec_ok, part_tiles, stage_tiles);
 }
 
+// AdaLN and GroupNorm: LayerNorm whose weight and bias (mods, d) change with the row, row i
+// taking their row (i / group) % mods (MOD in norm_fwd; ModRows in the backward, whose grid is
+// mods runs of blocks, one per parameter row, and whose partial buffers are the runs' units).
+// The backward asks for 3 resident blocks of 128 threads (at most 170 registers a thread):
+// with the block size alone ptxas kept those at 128 registers and spilled the few that
+// ModRows adds.
+#define LNLIB_MOD_BWD_BLOCKS(R) (LNLIB_BLOCK(R) == 128 ? 3 : 1)
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R))
+modulated_layer_norm_fwd(const T* x, long long ldx, T* y, long long ldy,
+                         const typename Acc<T>::type* weight, const typename Acc<T>::type* bias,
+                         typename Acc<T>::type* mean, typename Acc<T>::type* rstd, long long m,
+                         int d, typename Acc<T>::type eps, int vec_ok, long long group,
+                         long long mods) {
+    norm_fwd<T, T, T, R, MAXV, true, false, true>(x, ldx, (const T*)0, 0, (T*)0, 0, y, ldy,
+                                                  weight, bias, mean, rstd, m, d, eps, vec_ok,
+                                                  group, mods);
+}
+
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(LNLIB_BLOCK(R), LNLIB_MOD_BWD_BLOCKS(R))
+modulated_layer_norm_bwd(const T* dy, long long lddy, const T* x, long long ldx,
+                         const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
+                         const typename Acc<T>::type* weight, T* dx, long long lddx,
+                         typename Acc<T>::type* dw_part, typename Acc<T>::type* db_part,
+                         long long m, int d, int vec_ok, long long group, long long mods) {
+    norm_bwd<T, T, R, MAXV, true, false, true>(dy, lddy, x, ldx, (const T*)0, 0, mean, rstd,
+                                               weight, dx, lddx, dw_part, db_part, m, d, vec_ok,
+                                               group, mods);
+}
+
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+modulated_layer_norm_bwd_long(const T* dy, long long lddy, const T* x, long long ldx,
+                              const typename Acc<T>::type* mean,
+                              const typename Acc<T>::type* rstd,
+                              const typename Acc<T>::type* weight, T* dx, long long lddx,
+                              typename Acc<T>::type* dw_part, typename Acc<T>::type* db_part,
+                              long long m, int d, int vec_ok, long long group, long long mods,
+                              int part_tiles, int stage_tiles) {
+    norm_bwd_long<T, T, R, MAXV, true, false, true>(dy, lddy, x, ldx, (const T*)0, 0, mean,
+                                                    rstd, weight, dx, lddx, dw_part, db_part, m,
+                                                    d, vec_ok, part_tiles, stage_tiles, group,
+                                                    mods);
+}
+
+// The column sums of blockIdx.y separate partial buffers (units, d) one after the other
+// (gridDim.y > 1: a modulated backward's runs), into rows blockIdx.y of out (gridDim.y, d).
 template <typename A>
 __global__ void __launch_bounds__(32 * LNLIB_SUM_COLS)
 param_grad_sum(const A* part, long long units, int d, A* out) {
-    param_grad_sum_body(part, units, d, out);
+    param_grad_sum_body(part + blockIdx.y * units * d, units, d, out + (long long)blockIdx.y * d);
 }

@@ -1,0 +1,256 @@
+"""AdaLN and GroupNorm on the CUDA kernels' modulated LayerNorm (norms.cu: MOD, ModRows), whose
+weight and bias change with the row: row i takes parameter row (i // group) % mods.
+
+Three layers of checks:
+
+- on every machine, the row numbering of the backward's runs (ModRows) and the layout the public
+  functions give the parameters (``ada_norm._param_layout``, ``group_norm._group_rows``), run
+  through a NumPy model of the modulated row functions in place of the kernels, against the
+  CPU paths;
+- on a GPU (marker ``gpu``: skipped with the reason elsewhere, failing under
+  ``LNLIB_REQUIRE_GPU=1``), the kernels against the float64 CPU results, with many rows per
+  unit, long rows, several parameter rows and every dtype, and bitwise batch invariance.
+"""
+
+import contextlib
+import importlib
+
+import numpy as np
+import pytest
+from conftest import _cupy_with_gpu, assert_close, skip_or_fail
+
+import lnlib
+from lnlib._cuda import build, cuda_kernel
+
+# the modules (lnlib.group_norm is also the function)
+ada_norm = importlib.import_module("lnlib.ada_norm")
+group_norm = importlib.import_module("lnlib.group_norm")
+
+# (x shape, shift shape, scale shape, normalized_ndim): a row per sample, per position, one for
+# all rows, varying along consecutive middle axes, along axes that are not consecutive (laid out
+# per row of x), shift and scale of different shapes, broadcast inside the normalized axes.
+ADA_CASES = [
+    ((6, 8), (6, 8), (6, 8), 1),
+    ((3, 5, 8), (3, 1, 8), (3, 1, 8), 1),
+    ((3, 5, 8), (8,), (8,), 1),
+    ((2, 4, 6), (1, 4, 1), (1, 4, 1), 1),
+    ((2, 3, 4, 8), (1, 3, 1, 8), (1, 3, 1, 8), 1),
+    ((2, 3, 4, 8), (2, 1, 4, 8), (2, 1, 4, 8), 1),
+    ((3, 5, 8), (3, 1, 8), (8,), 1),
+    ((3, 4, 5, 6), (3, 1, 1, 6), (3, 1, 5, 6), 2),
+]
+GROUP_CASES = [((4, 6), 3), ((3, 6, 5), 2), ((2, 8, 3, 4), 4), ((3, 6, 2, 5), 1), ((2, 6, 7), 6)]
+
+
+def run_rows(m, group, mods, p):
+    """The rows run ``p`` of a modulated backward takes, in order: p * group + ModRows.row(k)
+    of norms.cu for k = 0 .. m / mods - 1, transcribed (the host gives group 1 or m rows)."""
+    cuda_kernel._check_mod(m, group, mods)
+    stride = mods if group == 1 else 1
+    return [p * group + k * stride for k in range(m // mods)]
+
+
+@pytest.mark.parametrize(
+    "m,group,mods", [(12, 1, 3), (12, 4, 3), (24, 1, 24), (5, 5, 1), (8, 1, 1)]
+)
+def test_each_run_takes_exactly_the_rows_of_its_parameter_row(m, group, mods):
+    seen = []
+    for p in range(mods):
+        rows = run_rows(m, group, mods, p)
+        assert all((i // group) % mods == p for i in rows), (p, rows)
+        seen += rows
+    assert sorted(seen) == list(range(m))
+
+
+# A NumPy model of the modulated row functions, in float64 -------------------------------------
+
+
+def _param_index(m, group, mods):
+    cuda_kernel._check_mod(m, group, mods)  # only the layouts the kernels take
+    return (np.arange(m) // group) % mods
+
+
+def model_forward(x, weight, bias, eps, group, mods):
+    """y = xhat * weight[p] + bias[p] with p = (i // group) % mods, as the kernels define it."""
+    p = _param_index(x.shape[0], group, mods)
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=1)
+    rstd = 1 / np.sqrt(((x64 - mean[:, None]) ** 2).mean(axis=1) + eps)
+    y = (x64 - mean[:, None]) * rstd[:, None]
+    if weight is not None:
+        y = y * weight[p]
+    if bias is not None:
+        y = y + bias[p]
+    return y.astype(x.dtype), mean, rstd
+
+
+def model_backward(dy, x, mean, rstd, weight, group, mods):
+    """dx with per-row weight weight[p]; dweight, dbias (mods, D) summed per parameter row."""
+    p = _param_index(x.shape[0], group, mods)
+    dy64 = dy.astype(np.float64)
+    xhat = (x.astype(np.float64) - mean[:, None]) * rstd[:, None]
+    g = dy64 if weight is None else dy64 * weight[p]
+    dx = rstd[:, None] * (g - g.mean(1, keepdims=True) - xhat * (g * xhat).mean(1, keepdims=True))
+    dw, db = np.zeros((mods, x.shape[1])), np.zeros((mods, x.shape[1]))
+    np.add.at(dw, p, dy64 * xhat)
+    np.add.at(db, p, dy64)
+    return dx.astype(x.dtype), dw, db
+
+
+MODELS = {
+    "modulated_layer_norm_forward": model_forward,
+    "modulated_layer_norm_backward": model_backward,
+}
+
+
+@contextlib.contextmanager
+def through_the_model():
+    """AdaLN and GroupNorm on NumPy arrays take the path they take on the CUDA kernels, with the
+    model in place of the kernels."""
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (ada_norm, group_norm):
+            real = module.select
+            mp.setattr(module, "select", lambda op, xp, real=real: MODELS.get(op) or real(op, xp))
+        yield
+
+
+def _ada_data(rng, case, dtype=np.float64):
+    xshape, shift_shape, scale_shape, k = case
+    x = (rng.standard_normal(xshape) * 2 + 1).astype(dtype)
+    shift = (0.3 * rng.standard_normal(shift_shape)).astype(dtype)
+    scale = (0.3 * rng.standard_normal(scale_shape)).astype(dtype)
+    return x, shift, scale, rng.standard_normal(xshape).astype(dtype), k
+
+
+def _ada(x, shift, scale, dy, k):
+    y, mean, rstd = lnlib.ada_layer_norm_forward(x, shift, scale, normalized_ndim=k)
+    grads = lnlib.ada_layer_norm_backward(dy, x, mean, rstd, scale, shift_shape=shift.shape)
+    return (y, mean, rstd, *grads)
+
+
+@pytest.mark.parametrize("case", ADA_CASES)
+def test_ada_layout_through_the_model_matches_the_cpu_path(rng, case):
+    x, shift, scale, dy, k = _ada_data(rng, case)
+    want = _ada(x, shift, scale, dy, k)
+    layout = ada_norm._param_layout(x.shape, k, shift.shape, scale.shape)
+    with through_the_model():
+        got = _ada(x, shift, scale, dy, k)
+    for name, g, w in zip(("y", "mean", "rstd", "dx", "dshift", "dscale"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, layout)
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=f"{name} {layout}")
+
+
+def test_ada_layouts_are_those_intended():
+    """Consecutive varying lead axes give (group, mods) without expanding where group is 1 or
+    they start at the first axis; others are laid out over more rows."""
+    assert ada_norm._param_layout((3, 5, 8), 1, (3, 1, 8), (3, 1, 8)) == ((3, 1, 8), 5, 3)
+    assert ada_norm._param_layout((3, 5, 8), 1, (8,), (8,)) == ((1, 1, 8), 1, 1)
+    assert ada_norm._param_layout((2, 4, 6), 1, (1, 4, 1), (1, 4, 1)) == ((1, 4, 6), 1, 4)
+    assert ada_norm._param_layout((2, 3, 4, 8), 1, (1, 3, 1, 8), (8,)) == ((1, 3, 4, 8), 1, 12)
+    assert ada_norm._param_layout((2, 3, 4, 8), 1, (2, 1, 4, 8), (8,)) == ((2, 3, 4, 8), 1, 24)
+    assert ada_norm._param_layout((3, 4, 5, 6), 2, (3, 1, 1, 6), (1, 5, 6)) == ((3, 1, 5, 6), 4, 3)
+
+
+@pytest.mark.parametrize("shape,g", GROUP_CASES)
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm_layout_through_the_model_matches_the_cpu_path(rng, shape, g, affine):
+    x = rng.standard_normal(shape) * 2 + 0.5
+    w, b = (1 + 0.5 * rng.standard_normal(shape[1]), rng.standard_normal(shape[1]))
+    w, b = (w, b) if affine else (None, None)
+    dy = rng.standard_normal(shape)
+    want = lnlib.group_norm_forward(x, g, w, b)
+    want += lnlib.group_norm_backward(dy, x, *want[1:], g, w)
+    with through_the_model():
+        got = lnlib.group_norm_forward(x, g, w, b)
+        got += lnlib.group_norm_backward(dy, x, *got[1:], g, w)
+    for name, a, e in zip(("y", "mean", "rstd", "dx", "dweight", "dbias"), got, want):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+# On a GPU --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cupy():
+    found, reason = _cupy_with_gpu()
+    if found is None:
+        skip_or_fail(reason)
+    with lnlib.use_implementation("auto"):
+        yield found
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+DTYPES = [np.float32, np.float16, np.float64]
+# (x shape, modulation shape): DiT's (B, T, D) with (B, 1, D), many rows a unit when the grid
+# is capped; rows longer than a tile of the backward (the long-row kernel); per-position rows
+GPU_ADA = [((4, 300, 768), (4, 1, 768)), ((3, 7, 20000), (3, 1, 20000)), ((5, 64, 96), (1, 64, 96))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("xshape,mshape", GPU_ADA)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("grid_threads", [None, 1024])
+def test_ada_on_the_gpu_against_float64(
+    rng, cupy, monkeypatch, xshape, mshape, dtype, grid_threads
+):
+    if grid_threads:  # a few blocks a run: each unit takes many rows
+        monkeypatch.setitem(build.GRID_THREADS, "bwd", grid_threads)
+    x, shift, scale, dy, k = _ada_data(rng, (xshape, mshape, mshape, 1), dtype)
+    got = [_host(a) for a in _ada(*(cupy.asarray(a) for a in (x, shift, scale, dy)), k)]
+    want = _ada(*(a.astype(np.float64) for a in (x, shift, scale, dy)), k)
+    rows_summed = x.size // scale.size
+    for name, g, w, factor in zip(
+        ("y", "mean", "rstd", "dx", "dshift", "dscale"), got, want, (2, 1, 1, 4, 1, 1)
+    ):
+        if name in ("dshift", "dscale"):  # float32 sums of rows_summed terms of scale ~ |dy xhat|
+            factor = rows_summed
+        assert g.shape == w.shape, name
+        assert_close(g, w, dtype, factor=factor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,g", GROUP_CASES + [((16, 64, 32, 32), 32), ((2, 32, 100, 100), 8)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_group_norm_on_the_gpu_against_float64(rng, cupy, shape, g, dtype):
+    x = (rng.standard_normal(shape) * 2 + 0.5).astype(dtype)
+    w = (1 + 0.5 * rng.standard_normal(shape[1])).astype(dtype)
+    b = rng.standard_normal(shape[1]).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    for affine in (True, False):
+        params = (w, b) if affine else (None, None)
+        on = [None if a is None else cupy.asarray(a) for a in (x, dy, *params)]
+        fwd = lnlib.group_norm_forward(on[0], g, *on[2:])
+        got = [_host(a) for a in fwd + lnlib.group_norm_backward(on[1], on[0], *fwd[1:], g, on[2])]
+        x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+        p64 = [None if p is None else p.astype(np.float64) for p in params]
+        fwd = lnlib.group_norm_forward(x64, g, *p64)
+        want = fwd + lnlib.group_norm_backward(dy64, x64, *fwd[1:], g, p64[0])
+        per_channel = x.size // shape[1]
+        for name, a, e, factor in zip(
+            ("y", "mean", "rstd", "dx", "dweight", "dbias"),
+            got,
+            want,
+            (2, 1, 1, 4, per_channel, per_channel),
+        ):
+            assert a.shape == e.shape, name
+            assert_close(a, e, dtype, factor=factor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_are_bitwise_independent_of_the_batch_on_the_gpu(rng, cupy, dtype):
+    x, shift, scale, dy, k = _ada_data(rng, ((6, 50, 384), (6, 1, 384), (6, 1, 384), 1), dtype)
+    on = [cupy.asarray(a) for a in (x, shift, scale, dy)]
+    full = [_host(a) for a in _ada(*on, k)[:4]]
+    part = [_host(a) for a in _ada(*(a[2:4] for a in on), k)[:4]]
+    for name, f, p in zip(("y", "mean", "rstd", "dx"), full, part):
+        assert np.array_equal(f[2:4], p, equal_nan=True), name
+    xg = cupy.asarray((rng.standard_normal((8, 32, 9, 9)) * 2).astype(dtype))
+    wg = cupy.asarray(rng.standard_normal(32).astype(dtype))
+    full = _host(lnlib.group_norm(xg, 8, wg, wg))
+    part = _host(lnlib.group_norm(xg[3:5], 8, wg, wg))
+    assert np.array_equal(full[3:5], part)
