@@ -427,7 +427,22 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
         return launch
 
     monkeypatch.setattr(build, "function", function)
-    monkeypatch.setattr(ck, "_column_sum", lambda op, dtype, part, runs=1: part.sum(axis=0))
+
+    class SumModule:  # param_grad_sum: its arguments, and the sums it would write
+        def get_function(self, name):
+            assert name in (build.sum_name("float32"), build.sum_name("float64")), name
+
+            def launch(grid, block, args):
+                part, units, d, out = args
+                runs = grid[1]
+                assert grid[0] * build.SUM_COLUMNS >= d and block == (32 * build.SUM_COLUMNS,)
+                assert runs <= 65535 and part.shape[0] >= runs * units, (grid, part.shape)
+                rows = part[: runs * int(units)].reshape(runs, int(units), int(d))
+                out[:runs] = rows.sum(axis=1)
+
+            return launch
+
+    monkeypatch.setattr(build, "module", lambda op, dtype: SumModule())
     monkeypatch.setattr(ck, "_device_limits", lambda: (132, 100 * 1024))
     rng = np.random.default_rng(0)
     combos = [
@@ -453,8 +468,9 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
         x, dy = (put(rng.standard_normal((m, d)), dtype=dt) for _ in range(2))
         w = put(np.ones((mods, d)), dtype="float64" if dt == "float64" else "float32")
         y, mean, rstd = ck.modulated_layer_norm_forward_rows(x, w, w, 1e-5, group, mods)
-        ck.modulated_layer_norm_backward_rows(dy, x, mean, rstd, w, group, mods)
-        ck.modulated_layer_norm_backward_rows(dy, x, mean, rstd, None, group, mods)
+        for weight in (w, None):
+            grads = ck.modulated_layer_norm_backward_rows(dy, x, mean, rstd, weight, group, mods)
+            assert [g.shape for g in grads] == [(m, d), (mods, d), (mods, d)]
     ops = build.OPS + build.ADD_OPS + build.MOD_OPS
     bwd = [op + "_long" for op in ops if op.endswith("bwd")]
     assert set(launched) == set(ops + tuple(bwd))

@@ -111,13 +111,14 @@ def _forward(op, x, params, eps, with_mean, out, mod=()):
     return (y, mean, rstd) if with_mean else (y, rstd)
 
 
-def _column_sum(op, dtype, part, runs=1):
-    """Second stage of a parameter gradient: the units of ``part`` (units, D) added in order;
-    with ``runs`` > 1, ``part`` is that many buffers of ``units // runs`` units one after the
-    other (a modulated backward), summed separately into the rows of a (runs, D) result."""
+def _column_sum(op, dtype, part, runs=None):
+    """Second stage of a parameter gradient: the units of ``part`` (units, D) added in order,
+    into a (D,) result; with ``runs`` (a modulated backward), ``part`` is that many buffers of
+    ``units // runs`` units one after the other, summed separately into a (runs, D) result."""
     cupy = sys.modules["cupy"]
     units, d = part.shape
-    out = cupy.empty((runs, d) if runs > 1 else d, dtype=part.dtype)
+    out = cupy.empty(d if runs is None else (runs, d), dtype=part.dtype)
+    runs = runs or 1
     fn = build.module(op, dtype).get_function(build.sum_name(dtype))
     cols, per_run = build.SUM_COLUMNS, units // runs
     for first in range(0, runs, _MAX_GRID_Y):  # a grid's y extent is at most 65535
@@ -173,7 +174,7 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()
         fn((blocks * runs,), (r,), args, shared_mem=shared)
     else:
         build.function(op, dtype, r, maxv)((blocks * runs,), (build.block_threads(r),), args)
-    return tuple(_column_sum(op, dtype, p, runs) for p in parts)
+    return tuple(_column_sum(op, dtype, p, mod[1] if mod else None) for p in parts)
 
 
 #: cudaDeviceAttr values (CUDA runtime enum, stable across versions).
@@ -244,7 +245,8 @@ def modulated_layer_norm_forward_rows(x, weight, bias, eps, group, mods, *, out=
 
 def modulated_layer_norm_backward_rows(dy, x, mean, rstd, weight, group, mods, *, out=None):
     """The backward of :func:`modulated_layer_norm_forward_rows`: ``dx, dweight, dbias``, the
-    parameter gradients (mods, D), row p summing the rows that took parameter row p."""
+    parameter gradients (mods, D), row p summing the rows that took parameter row p. Each
+    parameter row has at least one unit: the partial sums take at least (mods, D) twice."""
     _check_mod(x.shape[0], group, mods)
     mod = (group, mods)
     return _backward("modulated_layer_norm_bwd", dy, x, (mean, rstd), weight, True, out, mod)
