@@ -227,23 +227,28 @@ def test_fused_kernels_lay_rows_out_as_the_norm_of_h(op):
 
 
 def test_launch_shapes_stated_in_the_book():
-    """Chapter 5: a warp per float32 row up to 512 elements, 1024 threads up to 16384, tiles
-    beyond; the backward stops at 512 threads per row; 16 float32 elements per thread."""
+    """Chapter 5: a warp per float32 row up to 512 elements, 1024 threads up to 16384, beyond
+    that tiles of 8192 for blocks of 512 threads; the backward stops at 512 threads per row;
+    16 float32 elements per thread."""
     fwd, bwd = "layer_norm_fwd", "layer_norm_bwd"
     assert build.launch_shape(fwd, "float32", 512) == (32, 4, 1)
     assert build.launch_shape(fwd, "float32", 513)[0] == 64
     assert build.launch_shape(fwd, "float32", 16384) == (1024, 4, 1)
     assert build.launch_shape(fwd, "float32", 16385) == (1024, 4, 2)
+    assert build.long_shape(fwd, "float32", 16385) == (512, 4, 3)  # 2 blocks an SM: norms.cu
+    assert "layer_norm_fwd_long(" in build.source() and "__launch_bounds__(R, 2)" in build.source()
     assert max(r for r, _ in build.shapes(bwd, "float32")) == 512
     assert max(4 * v for _, v in build.shapes(fwd, "float32")) == 16
     assert 16 // build.ITEMSIZE["float32"] == 4 and 16 // build.ITEMSIZE["float16"] == 8
 
 
-@pytest.mark.parametrize("op", [o for o in build.OPS + build.ADD_OPS if o.endswith("bwd")])
+@pytest.mark.parametrize("op", build.OPS + build.ADD_OPS + build.MOD_OPS)
 def test_long_rows_have_a_long_row_kernel(op):
-    """Every backward module holds its long-row kernel, which covers every row that the
-    largest one-tile shape does not, with a plan inside any budget (norm_bwd_long's layout)."""
-    for dtype in build.FUSED["bwd"] if op.startswith("add_") else sorted(build.TYPE_NAMES):
+    """Every module holds its long-row kernel, which covers every row that the largest
+    one-tile shape does not; a backward's with a plan inside any budget (norm_bwd_long's
+    layout), a forward's in blocks of LONG_FWD_R threads."""
+    fused = build.FUSED[op[-3:]] if op.startswith("add_") else None
+    for dtype in fused or sorted(build.TYPE_NAMES):
         names = build.name_expressions(op, dtype)
         for d in (8193, 16385, 20001, 65536, 2**20):
             _r, _maxv, tiles = build.launch_shape(op, dtype, d)
@@ -253,6 +258,9 @@ def test_long_rows_have_a_long_row_kernel(op):
             assert build.kernel_name(op + "_long", dtype, r, maxv) in names
             vec = 16 // build.ITEMSIZE[build._layout(dtype)]
             assert long_tiles * r * maxv * vec >= d > (long_tiles - 1) * r * maxv * vec
+            if op.endswith("fwd"):
+                assert r == build.LONG_FWD_R == build.block_threads(r)
+                continue
             for budget in (0, 50_000, 114_688, 1 << 30):
                 part, stage, used = build.long_plan(op, dtype, d, budget)
                 assert used <= budget and 0 <= part <= long_tiles and 0 <= stage <= long_tiles
@@ -472,5 +480,4 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
             grads = ck.modulated_layer_norm_backward_rows(dy, x, mean, rstd, weight, group, mods)
             assert [g.shape for g in grads] == [(m, d), (mods, d), (mods, d)]
     ops = build.OPS + build.ADD_OPS + build.MOD_OPS
-    bwd = [op + "_long" for op in ops if op.endswith("bwd")]
-    assert set(launched) == set(ops + tuple(bwd))
+    assert set(launched) == set(ops + tuple(op + "_long" for op in ops))

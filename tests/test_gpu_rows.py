@@ -30,7 +30,7 @@ from conftest import _cupy_with_gpu, skip_or_fail
 from error_bounds import column_sum_bound, summand_errors
 
 from lnlib import reference
-from lnlib._cuda import build
+from lnlib._cuda import build, cuda_kernel
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 NORMS = ("layer_norm", "rms_norm")
@@ -227,16 +227,14 @@ def sm_count():
     cupy, _reason = _cupy_with_gpu()
     if cupy is None:
         return build.DEFAULT_SMS
-    from lnlib._cuda import cuda_kernel
-
     return cuda_kernel._device_limits()[0]
 
 
 def geometry(norm, dtype, m, d):
     """How the kernels of ``norm`` share ``m`` rows of ``d`` elements out, launched as
     lnlib._cuda.cuda_kernel launches them (units: ``min(m, blocks * rows per block)``; rows of
-    several tiles: the long-row kernel's blocks of one row, build.long_units)."""
-    r, _maxv, _tiles = build.launch_shape(f"{norm}_fwd", dtype, d)
+    several tiles: the long-row kernels' blocks of one row, build.long_units for the backward)."""
+    _kernel, r, _maxv = cuda_kernel._forward_shape(f"{norm}_fwd", dtype, d)
     per_pass = build.grid("fwd", m, r) * (build.block_threads(r) // r)
     r, _maxv, tiles = build.launch_shape(f"{norm}_bwd", dtype, d)
     blocks = build.grid("bwd", m, r, d, tiles, sm_count())

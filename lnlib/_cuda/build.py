@@ -83,6 +83,11 @@ LONG_ROW_PARTIAL = 1 << 24
 #: therefore depends on the GPU's SM count, as it depends on the number of rows.
 LONG_R = 256
 LONG_BLOCKS_PER_SM = 2
+#: The long-row forward (rows longer than one tile of the largest forward shape, the
+#: ``*_fwd_long`` kernels): a block of LONG_FWD_R threads per row, two blocks resident on each
+#: SM (``__launch_bounds__(R, 2)``: at most 64 registers a thread), tiles of LONG_FWD_R * MAXV
+#: vectors; the grid is that of the one-tile forward (:func:`grid`).
+LONG_FWD_R = 512
 #: Columns a block of the second-stage parameter-gradient sum adds (norms.cu LNLIB_SUM_COLS),
 #: with 32 lanes each: blocks of 32 * SUM_COLUMNS threads.
 SUM_COLUMNS = 8
@@ -155,13 +160,14 @@ def launch_shape(op, dtype, d):
 
 
 def long_shape(op, dtype, d):
-    """``(R, MAXV, tiles)`` of the long-row backward kernel ``op + "_long"`` for rows of ``d``
-    elements (launched where :func:`launch_shape` gives more than one tile): LONG_R threads,
-    the largest shape's vectors per thread."""
+    """``(R, MAXV, tiles)`` of the long-row kernel ``op + "_long"`` for rows of ``d`` elements
+    (launched where :func:`launch_shape` gives more than one tile): LONG_R threads for a
+    backward, LONG_FWD_R for a forward, the largest shape's vectors per thread."""
     vec = 16 // ITEMSIZE[_layout(dtype)]
     maxv = shapes(op, dtype)[-1][1]
     chunks = -(-d // vec)
-    return LONG_R, maxv, -(-chunks // (LONG_R * maxv))
+    r = LONG_R if op.endswith("bwd") else LONG_FWD_R
+    return r, maxv, -(-chunks // (r * maxv))
 
 
 def long_units(m, d, sms=None):
@@ -218,9 +224,10 @@ def fused(op, dtype):
 def name_expressions(op, dtype):
     """Every kernel of the module for ``(op, dtype)``."""
     names = [kernel_name(op, dtype, r, v) for r, v in shapes(op, dtype)]
+    r, maxv, _tiles = long_shape(op, dtype, 1)
+    names.append(kernel_name(op + "_long", dtype, r, maxv))
     if op.endswith("bwd"):
-        r, maxv, _tiles = long_shape(op, dtype, 1)
-        names += [kernel_name(op + "_long", dtype, r, maxv), sum_name(dtype)]
+        names.append(sum_name(dtype))
     return names
 
 

@@ -89,7 +89,7 @@ def _forward(op, x, params, eps, with_mean, out, mod=()):
     mean = out_array(out, 1, m, acc, cupy) if with_mean else None
     rstd = out_array(out, 2 if with_mean else 1, m, acc, cupy)
     if m:
-        r, maxv, _tiles = build.launch_shape(op, x.dtype, d)
+        op, r, maxv = _forward_shape(op, x.dtype, d)
         vec_ok = _vec_ok(d, x.dtype, (x, ldx), (y, d))
         stats = (mean, rstd) if with_mean else (rstd,)
         args = (
@@ -109,6 +109,16 @@ def _forward(op, x, params, eps, with_mean, out, mod=()):
             (build.grid("fwd", m, r),), (build.block_threads(r),), args
         )
     return (y, mean, rstd) if with_mean else (y, rstd)
+
+
+def _forward_shape(op, dtype, d):
+    """``(kernel, R, MAXV)`` of a forward: the one-tile kernel ``op``, or for rows of several
+    tiles its long-row kernel (``op + "_long"``, build.long_shape)."""
+    r, maxv, tiles = build.launch_shape(op, dtype, d)
+    if tiles > 1:
+        r, maxv, _tiles = build.long_shape(op, dtype, d)
+        return op + "_long", r, maxv
+    return op, r, maxv
 
 
 def _column_sum(op, dtype, part, runs=None):
@@ -297,7 +307,7 @@ def _add_forward(op, norm_rows, x, residual, params, eps, h_dtype, with_mean, ou
     mean = out_array(out, 2, m, acc, cupy) if with_mean else None
     rstd = out_array(out, 3 if with_mean else 2, m, acc, cupy)
     if m:
-        r, maxv, _tiles = build.launch_shape(op, dtypes, d)
+        op, r, maxv = _forward_shape(op, dtypes, d)
         rows = ((x, ldx), (residual, ldr), (h, d), (y, d))
         args = (
             *(v for a, ld in rows for v in (a, np.int64(ld))),

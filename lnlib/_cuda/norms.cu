@@ -6,8 +6,8 @@
 // names the instantiation when it compiles the module (NVRTC name expressions).
 //
 // A row that fits in one tile (d <= R * MAXV * V) is read once into registers and written
-// once. Longer rows are processed tile by tile: the forward reads them a second time to write
-// the result; the backward (norm_bwd_long, a block per row) keeps in shared memory as many
+// once. Longer rows are processed tile by tile: the forward (*_fwd_long, 512 threads a row, two
+// blocks an SM) reads them a second time to write the result; the backward (norm_bwd_long, a block per row) keeps in shared memory as many
 // tiles of its partial parameter gradients, then of the row, as fit, and reads the rest again.
 //
 // Row arguments: x points at row 0, ldx is the distance between rows in elements. vec_ok says
@@ -121,9 +121,10 @@ __device__ __forceinline__ void add_tile(const TX* xr, const TR* rr, TH* hr, int
 // the statistics and y come from the stored h by the same code as without: y is bitwise the
 // norm of h, cast to TX. Rows longer than a tile reread h, not x and residual.
 // With MOD (AdaLN, GroupNorm: modulated_layer_norm_fwd), weight and bias are (mods, d) and row
-// i takes their row (i / group) % mods.
+// i takes their row (i / group) % mods. LONG: the long-row kernels (*_fwd_long, rows of
+// several tiles, two blocks an SM), which keep no parameters in registers.
 template <typename TX, typename TR, typename TH, int R, int MAXV, bool CENTER, bool ADD,
-          bool MOD = false, typename A>
+          bool MOD = false, bool LONG = false, typename A>
 __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* residual,
                                          long long ldr, TH* h, long long ldh, TX* y,
                                          long long ldy, const A* weight, const A* bias,
@@ -138,7 +139,7 @@ __device__ __forceinline__ void norm_fwd(const TX* x, long long ldx, const TR* r
     // weight and bias once, before the rows, and keeps them (otherwise, and for longer rows,
     // they are loaded per tile, below). Columns past d are never stored: neutral 1 and 0.
     // Not with MOD: the rows of a block may take different parameter rows.
-    constexpr bool KEEP = !MOD && MAXV * V <= 16 && LNLIB_BLOCK(R) <= 512;
+    constexpr bool KEEP = !MOD && !LONG && MAXV * V <= 16 && LNLIB_BLOCK(R) <= 512;
     A wv[MAXV][V], bv[MAXV][V];
     if constexpr (KEEP) {
 #pragma unroll
@@ -718,6 +719,57 @@ add_rms_norm_bwd(const TY* dy, long long lddy, const TH* dh, long long lddh, con
                                            dsum, ldds, dw_part, (A*)0, m, d, vec_ok);
 }
 
+// The forward of rows longer than one tile (build.long_shape): blocks of R = 512 threads, one
+// row each, two blocks an SM (at most 64 registers a thread), so that while one block waits at
+// its barriers or rereads its row the other computes; the same code as the one-tile forward,
+// with no parameters held in registers.
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+layer_norm_fwd_long(const T* x, long long ldx, T* y, long long ldy,
+                    const typename Acc<T>::type* weight, const typename Acc<T>::type* bias,
+                    typename Acc<T>::type* mean, typename Acc<T>::type* rstd, long long m, int d,
+                    typename Acc<T>::type eps, int vec_ok) {
+    norm_fwd<T, T, T, R, MAXV, true, false, false, true>(x, ldx, (const T*)0, 0, (T*)0, 0, y,
+                                                         ldy, weight, bias, mean, rstd, m, d,
+                                                         eps, vec_ok);
+}
+
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+rms_norm_fwd_long(const T* x, long long ldx, T* y, long long ldy,
+                  const typename Acc<T>::type* weight, typename Acc<T>::type* rstd, long long m,
+                  int d, typename Acc<T>::type eps, int vec_ok) {
+    typedef typename Acc<T>::type A;
+    norm_fwd<T, T, T, R, MAXV, false, false, false, true>(x, ldx, (const T*)0, 0, (T*)0, 0, y,
+                                                          ldy, weight, (const A*)0, (A*)0, rstd,
+                                                          m, d, eps, vec_ok);
+}
+
+template <typename TX, typename TR, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+add_layer_norm_fwd_long(const TX* x, long long ldx, const TR* residual, long long ldr, TH* h,
+                        long long ldh, TX* y, long long ldy,
+                        const typename Acc<TH>::type* weight,
+                        const typename Acc<TH>::type* bias, typename Acc<TH>::type* mean,
+                        typename Acc<TH>::type* rstd, long long m, int d,
+                        typename Acc<TH>::type eps, int vec_ok) {
+    norm_fwd<TX, TR, TH, R, MAXV, true, true, false, true>(x, ldx, residual, ldr, h, ldh, y, ldy,
+                                                           weight, bias, mean, rstd, m, d, eps,
+                                                           vec_ok);
+}
+
+template <typename TX, typename TR, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+add_rms_norm_fwd_long(const TX* x, long long ldx, const TR* residual, long long ldr, TH* h,
+                      long long ldh, TX* y, long long ldy, const typename Acc<TH>::type* weight,
+                      typename Acc<TH>::type* rstd, long long m, int d,
+                      typename Acc<TH>::type eps, int vec_ok) {
+    typedef typename Acc<TH>::type A;
+    norm_fwd<TX, TR, TH, R, MAXV, false, true, false, true>(x, ldx, residual, ldr, h, ldh, y,
+                                                            ldy, weight, (const A*)0, (A*)0,
+                                                            rstd, m, d, eps, vec_ok);
+}
+
 // The long-row backward (norm_bwd_long) of each backward above, launched with a block of R
 // threads per row, two blocks an SM (so at most 128 registers a thread) and the dynamic shared
 // memory that build.long_plan gives for part_tiles and stage_tiles.
@@ -788,6 +840,19 @@ modulated_layer_norm_fwd(const T* x, long long ldx, T* y, long long ldy,
     norm_fwd<T, T, T, R, MAXV, true, false, true>(x, ldx, (const T*)0, 0, (T*)0, 0, y, ldy,
                                                   weight, bias, mean, rstd, m, d, eps, vec_ok,
                                                   group, mods);
+}
+
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(R, 2)
+modulated_layer_norm_fwd_long(const T* x, long long ldx, T* y, long long ldy,
+                              const typename Acc<T>::type* weight,
+                              const typename Acc<T>::type* bias, typename Acc<T>::type* mean,
+                              typename Acc<T>::type* rstd, long long m, int d,
+                              typename Acc<T>::type eps, int vec_ok, long long group,
+                              long long mods) {
+    norm_fwd<T, T, T, R, MAXV, true, false, true, true>(x, ldx, (const T*)0, 0, (T*)0, 0, y, ldy,
+                                                        weight, bias, mean, rstd, m, d, eps,
+                                                        vec_ok, group, mods);
 }
 
 template <typename T, int R, int MAXV>
