@@ -1,7 +1,7 @@
 """lnlib's CUDA row functions where the other GPU tests do not reach: parameter gradients
 accumulated over many rows per unit (the partial sums that one-tile rows keep in registers, and
-those of long rows, kept in shared memory or read, modified and written in memory, the row
-staged in shared memory or read twice), one-tile float16/bfloat16 rows in blocks of 512
+those of long rows, kept in registers tile by tile of columns after a launch that forms the
+rows' sums), one-tile float16/bfloat16 rows in blocks of 512
 threads, which load each unit's next row early, grid-stride loops of many passes, and bfloat16
 forward and backward at several row lengths.
 
@@ -9,7 +9,7 @@ Each check runs on the CUDA kernels (marker ``gpu``: skipped with the reason whe
 is missing, failing instead under ``LNLIB_REQUIRE_GPU=1``; ``make gpu-check`` runs them) and,
 on every machine, on :class:`KernelModel`, a NumPy model of the kernels' arithmetic and of how
 they share rows out to units. The model runs keep the checks tested without a GPU, and models
-with a flaw (a lost pass, a partial row not read back, ...) show that the checks fail a kernel
+with a flaw (a lost pass, partial sums overwritten, ...) show that the checks fail a kernel
 that groups rows wrongly.
 
 Few units taking many rows: :data:`lnlib._cuda.build.GRID_THREADS` caps the grid and is read at
@@ -106,7 +106,7 @@ class CudaRows(_Rows):
 #: What a flawed KernelModel gets wrong (each a way to share rows out to units wrongly).
 FLAWS = (
     "skips the last pass of the grid-stride loop",
-    "does not read a partial row back (long rows)",
+    "overwrites its partial sums instead of adding (long rows)",
     "leaves the last unit out of the column sum",
     "keeps the partial sums in the data's dtype",
 )
@@ -121,8 +121,8 @@ class KernelModel(_Rows):
     :func:`geometry` (``lnlib._cuda.build``, so the hook on ``GRID_THREADS`` moves it too), unit
     ``u`` adding rows ``u, u + units, u + 2 units, ...`` in that order, then the units added as
     ``param_grad_sum`` does (32 lanes, lane ``l`` adding units ``l, l + 32, ...``, then a tree).
-    The long-row kernel adds the same values in the same order wherever it keeps a unit's
-    partial sums (shared memory or its row of the partial buffer), so one model covers both.
+    The long-row kernel's units add the same values in the same order, tile by tile of
+    columns, so one model covers both.
     ``flaw`` (one of :data:`FLAWS`) makes it wrong on purpose.
     """
 
@@ -227,7 +227,7 @@ def sm_count():
     cupy, _reason = _cupy_with_gpu()
     if cupy is None:
         return build.DEFAULT_SMS
-    return cuda_kernel._device_limits()[0]
+    return cuda_kernel._sm_count()
 
 
 def geometry(norm, dtype, m, d):
@@ -247,7 +247,7 @@ class Case:
     d: int
     m: int
     grid_threads: tuple  # (forward, backward) caps for build.GRID_THREADS; None: as shipped
-    path: str  # where the partial sums live: "registers" (one-tile rows) or "memory"
+    path: str  # "registers": one-tile rows; "memory": long rows (two launches, rows read twice)
 
     def __str__(self):
         cap = "" if self.grid_threads is None else f"-grid{self.grid_threads[1]}"
@@ -494,143 +494,37 @@ def test_rows_loaded_ahead_give_every_output(request, monkeypatch, kind, case, n
     check_many_rows_per_unit(rows, case, norm, dtype)
 
 
-# Long rows under every shared-memory plan ---------------------------------------------------
+# Long rows ----------------------------------------------------------------------------------
 
-#: Long rows whose tiles of partial sums and of the row fit in shared memory in part (20001: not
-#: whole vectors, element by element) or, for some norms and dtypes, whole (9000).
+#: Long rows (20001: not whole vectors, element by element; 9000: a tile and a little more).
 LONG_CASES = (Case(20001, 45, (1024, 1024), "memory"), Case(9000, 300, (1024, 1024), "memory"))
-
-
-def shared_caps(norm, dtype, d):
-    """Caps on the long-row kernel's shared memory (build.LONG_SHARED_CAP): none on chip, one
-    tile of partial sums, one tile of partial sums and one of the row, the device's."""
-    tiles, per_part, per_stage = build.long_tile_bytes(f"{norm}_bwd", dtype, d)
-    return (0, per_part, per_part * tiles + per_stage, None)
-
-
-def test_shared_caps_reach_each_plan():
-    """The caps give no tile on chip, partial sums only, partial sums and staged rows, for every
-    norm and dtype; under an H100's budget (112 KiB a block, two blocks an SM) each plan fills
-    its budget, partial sums first, none exceeds it, some hold every tile, some none of the row."""
-    seen = set()
-    for norm in NORMS:
-        for dtype in DTYPES:
-            for case in LONG_CASES:
-                op, d = f"{norm}_bwd", case.d
-                tiles = build.long_shape(op, dtype, d)[2]
-                plans = [build.long_plan(op, dtype, d, c) for c in shared_caps(norm, dtype, d)[:3]]
-                assert plans[0] == (0, 0, 0), (norm, dtype, d, plans)
-                assert plans[1][:2] == (1, 0), (norm, dtype, d, plans)
-                assert plans[2][:2] == (tiles, 1), (norm, dtype, d, plans)
-                budget = 112 * 1024
-                part, stage, used = build.long_plan(op, dtype, d, budget)
-                _tiles, per_part, per_stage = build.long_tile_bytes(op, dtype, d)
-                assert used <= budget and part <= tiles and stage <= tiles
-                assert part == tiles or budget - part * per_part < per_part, "partial sums first"
-                assert stage == tiles or budget - used < per_stage, "then the row"
-                seen.add((part == tiles, stage > 0))
-    assert {(True, True), (False, False)} <= seen, seen
-
-
-def long_kernel_accesses(norm, dtype, d, budget):
-    """The dynamic shared memory accesses of norm_bwd_long (norms.cu) for rows of ``d``, its
-    index expressions written out in NumPy for every thread at once: an array of (first byte,
-    bytes, thread, value) for the zeroing, both passes of one row and the final write, where
-    value names what is kept there (which buffer, chunk and element), and the bytes the launch
-    gives it (build.long_plan)."""
-    op = f"{norm}_bwd"
-    r, maxv, tiles = build.long_shape(op, dtype, d)
-    part_tiles, stage_tiles, shared = build.long_plan(op, dtype, d, budget)
-    vec = 16 // build.ITEMSIZE[dtype]
-    acc, item = (8 if dtype == "float64" else 4), build.ITEMSIZE[dtype]
-    chunks = part_tiles * maxv * r
-    parts = 2 if norm == "layer_norm" else 1
-    xs = parts * vec * chunks * acc  # byte offset of the staged x, then dy
-    dys = xs + stage_tiles * maxv * r * vec * item
-    t = np.arange(r)
-    found = []
-
-    def add(first, size, threads, buffer, chunk, j=0):
-        value = (buffer * 2**40 + chunk * 64 + j) * np.ones_like(first)
-        found.append(np.stack([first, np.full_like(first, size), threads, value], axis=1))
-
-    for c0 in range(0, chunks, r):  # zeroing and the final write: c = t, t + R, ... < chunks
-        c = c0 + t
-        for j in range(vec):
-            for q in range(parts):  # pw, then pb (LayerNorm)
-                add((q * vec * chunks + j * chunks + c) * acc, acc, t, q, c, j)
-    for k in range(tiles):
-        for s in range(maxv):
-            c = (k * maxv + s) * r + t
-            inside = c * vec < d
-            if k < stage_tiles:  # pass 1 stores every slot's vector; pass 2 reads it back
-                add(xs + c * vec * item, vec * item, t, 2, c)
-                add(dys + c * vec * item, vec * item, t, 3, c)
-            if k < part_tiles:  # pass 2: pw[j * chunks + c] for the elements inside the row
-                for j in range(vec):
-                    ok = inside & (c * vec + j < d)
-                    for q in range(parts):
-                        add((q * vec * chunks + j * chunks + c[ok]) * acc, acc, t[ok], q, c[ok], j)
-    return (np.concatenate(found) if found else np.zeros((0, 4), int)), shared
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("norm", NORMS)
-def test_long_kernel_shared_memory_is_in_bounds_and_per_thread(norm, dtype):
-    """Under every cap of shared_caps and the H100 budget, every shared-memory access of
-    norm_bwd_long lies inside the bytes the launch gives it, no byte is touched by two
-    threads (so the buffers need no barrier) and no byte holds two values (two elements, or
-    two buffers)."""
-    for case in LONG_CASES:
-        caps = [c for c in shared_caps(norm, dtype, case.d) if c is not None] + [112 * 1024]
-        for cap in caps:
-            acc, shared = long_kernel_accesses(norm, dtype, case.d, cap)
-            what = f"{norm} {dtype} d={case.d} cap={cap}"
-            if not len(acc):
-                assert shared == 0, what
-                continue
-            ends = acc[:, 0] + acc[:, 1]
-            assert acc[:, 0].min() >= 0 and ends.max() <= shared, what
-            for col, name in ((2, "threads"), (3, "values")):
-                lo = np.full(shared, np.iinfo(np.int64).max)  # per byte: lowest, highest
-                hi = np.full(shared, -1)
-                for size in np.unique(acc[:, 1]):
-                    rows = acc[acc[:, 1] == size]
-                    byte = (rows[:, :1] + np.arange(size)).ravel()
-                    np.minimum.at(lo, byte, np.repeat(rows[:, col], size))
-                    np.maximum.at(hi, byte, np.repeat(rows[:, col], size))
-                touched = hi >= 0
-                assert (lo[touched] == hi[touched]).all(), f"{what}: bytes shared by two {name}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("case", LONG_CASES, ids=str)
-def test_long_rows_every_shared_memory_plan(cuda_rows, monkeypatch, case, norm, dtype):
-    """The long-row backward with its partial sums and its row in shared memory, in global
-    memory, and split between them: dweight and dbias exact, dx within ROW_TOL, and every
-    output bitwise the same under every plan."""
+def test_long_rows_in_two_launches(cuda_rows, monkeypatch, case, norm, dtype):
+    """The long-row backward (the rows' sums, then dx and the partial sums tile by tile of
+    columns): dweight and dbias exact, dx within ROW_TOL, and the same bits from a second call."""
     _cap_grid(monkeypatch, case)
-    first = None
-    for cap in shared_caps(norm, dtype, case.d):
-        monkeypatch.setattr(build, "LONG_SHARED_CAP", cap)
-        check_many_rows_per_unit(cuda_rows, case, norm, dtype)
-        data = exact_case(cuda_rows.xp, case, norm)[0]
-        acc = acc_name(dtype)
-        x, dy = cuda_rows.put(data.x, dtype), cuda_rows.put(data.dy, dtype)
-        args = [cuda_rows.put(a, acc) for a in (data.mean, data.rstd, data.weight)]
-        if norm == "rms_norm":
-            args = args[1:]
-        got = [a.get().tobytes() for a in cuda_rows(f"{norm}_backward", dy, x, *args)]
-        first = first or got
-        assert got == first, f"{norm} {dtype} {case}: other bits under a shared-memory cap {cap}"
+    check_many_rows_per_unit(cuda_rows, case, norm, dtype)
+    data = exact_case(cuda_rows.xp, case, norm)[0]
+    acc = acc_name(dtype)
+    x, dy = cuda_rows.put(data.x, dtype), cuda_rows.put(data.dy, dtype)
+    args = [cuda_rows.put(a, acc) for a in (data.mean, data.rstd, data.weight)]
+    if norm == "rms_norm":
+        args = args[1:]
+    runs = [
+        [a.get().tobytes() for a in cuda_rows(f"{norm}_backward", dy, x, *args)] for _ in range(2)
+    ]
+    assert runs[0] == runs[1], f"{norm} {dtype} {case}: other bits on a second call"
 
 
 #: For each flaw: a case and dtype where it changes the results, and the first result it spoils.
 FLAWED = (
     pytest.param(FLAWS[0], CASES[3], "float32", "dx", id="lost-pass"),
-    pytest.param(FLAWS[1], CASES[4], "float32", "dweight", id="no-read-back"),
+    pytest.param(FLAWS[1], CASES[4], "float32", "dweight", id="overwrites"),
     pytest.param(FLAWS[2], CASES[2], "float16", "dweight", id="lost-unit"),
     pytest.param(FLAWS[3], CASES[3], "bfloat16", "dweight", id="bfloat16-partials"),
 )

@@ -3,9 +3,9 @@
 Covers the norms and the fused residual add, each launch shape family (a warp per row, several
 warps per row, a block per row, rows of several tiles), float32/float16/float64, rows that are
 not 16-byte aligned, batches that do not fill the last block, the backward's two-stage
-parameter gradients, and the long-row backward with its partial sums and row in shared memory,
-in global memory and split between them. CuPy's memory pool is switched off so that every
-array is its own allocation and an out-of-bounds access is seen.
+parameter gradients, and the long-row backward's two launches with one unit and with many.
+CuPy's memory pool is switched off so that every array is its own allocation and an
+out-of-bounds access is seen.
 """
 
 import sys
@@ -52,30 +52,27 @@ def run_fused(x, dy, w, dtype, rng):
         lnlib.add_rms_norm_backward(dy, dh, h, rstd, wa)
 
 
-def run_long_plans(m, d, dtype, rng):
-    """The long-row backward with one unit taking every row, under shared-memory caps that put
-    its partial sums and its row in global memory (0) or one tile of partial sums on chip."""
+def run_long_units(m, d, dtype, rng):
+    """The long-row backward (the rows' sums, then dx and the partial sums tile by tile of
+    columns) with one unit taking every row, and with the units the device gives."""
     from lnlib._cuda import build
 
     x = cp.asarray(rng.standard_normal((m, d)).astype(dtype))
     dy = cp.asarray(rng.standard_normal((m, d)).astype(dtype))
     w = cp.asarray(rng.standard_normal(d).astype(dtype))
-    saved = dict(build.GRID_THREADS), build.LONG_SHARED_CAP
-    build.GRID_THREADS["bwd"] = build.LONG_R  # one unit
+    saved = dict(build.GRID_THREADS)
     try:
-        for norm in ("layer_norm", "rms_norm"):
-            _tiles, per_part, _per_stage = build.long_tile_bytes(f"{norm}_bwd", dtype, d)
-            for cap in (0, per_part):
-                build.LONG_SHARED_CAP = cap
-                if norm == "layer_norm":
-                    _y, mean, rstd = lnlib.layer_norm_forward(x, w, w)
-                    lnlib.layer_norm_backward(dy, x, mean, rstd, w)
-                else:
-                    _y, rstd = lnlib.rms_norm_forward(x, w)
-                    lnlib.rms_norm_backward(dy, x, rstd, w)
+        for grid in (build.LONG_R, None):  # one unit, then as shipped
+            if grid:
+                build.GRID_THREADS["bwd"] = grid
+            else:
+                build.GRID_THREADS.update(saved)
+            _y, mean, rstd = lnlib.layer_norm_forward(x, w, w)
+            lnlib.layer_norm_backward(dy, x, mean, rstd, w)
+            _y, rstd = lnlib.rms_norm_forward(x, w)
+            lnlib.rms_norm_backward(dy, x, rstd, w)
     finally:
-        build.GRID_THREADS.update(saved[0])
-        build.LONG_SHARED_CAP = saved[1]
+        build.GRID_THREADS.update(saved)
 
 
 def run_modulated(dtype, rng):
@@ -112,7 +109,7 @@ def main():
                 for m in ROWS:
                     run_case(m, d, dtype, rng)
                     count += 1
-            run_long_plans(5, 20001, dtype, rng)
+            run_long_units(5, 20001, dtype, rng)
             run_modulated(dtype, rng)
             count += 2
     cp.cuda.Device().synchronize()

@@ -75,12 +75,13 @@ MIN_BLOCK = 128
 GRID_THREADS = {"fwd": 1 << 19, "bwd": 1 << 18}
 #: Elements of a partial parameter-gradient buffer (units, d) at most, for long rows.
 LONG_ROW_PARTIAL = 1 << 24
-#: The long-row backward (rows longer than one tile of the largest backward shape, launched as
-#: the ``*_bwd_long`` kernels): a block of LONG_R threads per row, LONG_BLOCKS_PER_SM blocks
-#: resident on each SM (``__launch_bounds__(R, 2)`` in norms.cu: at most 128 registers a
-#: thread), one unit per block, LONG_BLOCKS_PER_SM units per SM of the device. The number of
-#: units, and with it the grouping of rows in the parameter gradients (not the row outputs),
-#: therefore depends on the GPU's SM count, as it depends on the number of rows.
+#: The long-row backward (rows longer than one tile of the largest backward shape, the
+#: ``*_bwd_long`` kernels, launched twice): blocks of LONG_R threads, two resident on each SM
+#: (``__launch_bounds__(R, 2)`` in norms.cu: at most 128 registers a thread); first a block
+#: per row for the rows' sums, then LONG_BLOCKS_PER_SM units per SM of the device, each taking
+#: its rows tile by tile of columns. The number of units, and with it the grouping of rows in
+#: the parameter gradients (not the row outputs), therefore depends on the GPU's SM count, as
+#: it depends on the number of rows.
 LONG_R = 256
 LONG_BLOCKS_PER_SM = 2
 #: The long-row forward (rows longer than one tile of the largest forward shape, the
@@ -91,10 +92,6 @@ LONG_FWD_R = 512
 #: Columns a block of the second-stage parameter-gradient sum adds (norms.cu LNLIB_SUM_COLS),
 #: with 32 lanes each: blocks of 32 * SUM_COLUMNS threads.
 SUM_COLUMNS = 8
-#: Test hook: a cap on the dynamic shared memory of the long-row backward, in bytes (None: what
-#: the device allows; read at every launch). Lowering it moves tiles of partial sums and of the
-#: row from shared memory to global memory, which changes no bit of any result.
-LONG_SHARED_CAP = None
 #: SM count assumed where no device is asked (the CPU model of the kernels in the tests): an
 #: H100 or H200.
 DEFAULT_SMS = 132
@@ -179,31 +176,6 @@ def long_units(m, d, sms=None):
     return max(1, min(m, LONG_BLOCKS_PER_SM * sms, cap, max(1, LONG_ROW_PARTIAL // d)))
 
 
-def long_plan(op, dtype, d, budget):
-    """``(part_tiles, stage_tiles, shared bytes)`` of the long-row backward on rows of ``d``
-    within ``budget`` bytes of dynamic shared memory: first as many tiles of the unit's partial
-    parameter gradients as fit (each on-chip tile saves a read and a write of the partial sums
-    per row; the kernel keeps one more tile of them, tile ``part_tiles``, in registers), then
-    as many tiles of the row's x and dy (each saves a second read of the row).
-    The layout is that of ``norm_bwd_long`` in norms.cu. Changes no bit of any result."""
-    tiles, per_part, per_stage = long_tile_bytes(op, dtype, d)
-    part_tiles = max(0, min(tiles, budget // per_part))
-    stage_tiles = max(0, min(tiles, (budget - part_tiles * per_part) // per_stage))
-    return part_tiles, stage_tiles, part_tiles * per_part + stage_tiles * per_stage
-
-
-def long_tile_bytes(op, dtype, d):
-    """``(tiles, bytes of a tile of partial sums, bytes of a staged tile of x and dy)`` of the
-    long-row backward on rows of ``d`` elements."""
-    names = _dtype_names(dtype)
-    layout, y_type = names[-1], names[0]
-    r, maxv, tiles = long_shape(op, dtype, d)
-    tile = r * maxv * (16 // ITEMSIZE[layout])  # elements
-    acc = 8 if layout == "float64" else 4
-    per_part = tile * acc * (2 if "layer_norm" in op else 1)
-    return tiles, per_part, tile * (ITEMSIZE[layout] + ITEMSIZE[y_type])
-
-
 def kernel_name(op, dtype, r, maxv):
     """The NVRTC name expression of one instantiation, e.g. ``layer_norm_fwd<float, 32, 1>``
     or ``add_layer_norm_fwd<__half, float, float, 32, 1>``."""
@@ -271,8 +243,9 @@ def block_threads(r):
 
 def grid(kind, m, r, d=None, tiles=1, sms=None):
     """Blocks to launch for ``m`` rows; each block loops over rows (grid-stride). A backward of
-    rows of several ``tiles`` is the long-row kernel: :func:`long_units` blocks of one row each
-    (``sms``: the GPU's SM count)."""
+    rows of several ``tiles`` is the long-row kernel, whose second launch has :func:`long_units`
+    units (blocks along x), each taking a group of rows a tile of columns at a time (``sms``: the
+    GPU's SM count)."""
     if kind == "bwd" and tiles > 1:
         return long_units(m, d, sms)
     block = block_threads(r)

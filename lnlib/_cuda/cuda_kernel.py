@@ -151,8 +151,8 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()
     acc = _acc(dx.dtype)
     runs = mod[1] if mod else 1
     r, maxv, tiles = build.launch_shape(op, dtype, d)
-    long_rows = tiles > 1  # the long-row kernel, with its own shape, units and shared memory
-    sms, budget = _device_limits() if long_rows else (None, 0)
+    long_rows = tiles > 1  # the long-row kernel, with its own shape and units
+    sms = _sm_count() if long_rows else None
     # each run takes m / runs rows: about the blocks of the whole grid shared out, at least one
     blocks = -(-build.grid("bwd", m, r, d, tiles, sms) // runs)
     blocks = min(blocks, build.grid("bwd", m // runs, r, d, tiles, sms))
@@ -174,40 +174,29 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()
         _vec_ok(d, dx.dtype, *arrays),
         *(np.int64(v) for v in mod),
     )
-    if long_rows:
-        r, maxv, _tiles = build.long_shape(op, dtype, d)
-        part_tiles, stage_tiles, shared = build.long_plan(op, dtype, d, budget)
-        fn = build.function(op + "_long", dtype, r, maxv)
-        if shared > 48 * 1024:  # above the default limit: opted in per kernel
-            fn.max_dynamic_shared_size_bytes = shared
-        args += (np.int32(part_tiles), np.int32(stage_tiles))
-        fn((blocks * runs,), (r,), args, shared_mem=shared)
+    if long_rows:  # norm_bwd_long: the rows' two means into c, then dx and the partial sums
+        r, maxv, tiles = build.long_shape(op, dtype, d)
+        fn, c = build.function(op + "_long", dtype, r, maxv), cupy.empty(2 * m, dtype=acc)
+        fn((build.grid("fwd", m, r),), (r,), (*args, c, np.int32(0)))
+        fn((blocks * runs, min(tiles, _MAX_GRID_Y)), (r,), (*args, c, np.int32(1)))
     else:
         build.function(op, dtype, r, maxv)((blocks * runs,), (build.block_threads(r),), args)
     return tuple(_column_sum(op, dtype, p, mod[1] if mod else None) for p in parts)
 
 
-#: cudaDeviceAttr values (CUDA runtime enum, stable across versions).
-_SM_COUNT, _SHARED_PER_SM, _SHARED_OPTIN = 16, 81, 97
+#: cudaDevAttrMultiProcessorCount (CUDA runtime enum, stable across versions).
+_SM_COUNT = 16
 
 
 @functools.cache
-def _device_attributes(device):
-    """``(SMs, shared memory per SM, opt-in shared memory per block)`` of a device."""
-    get = sys.modules["cupy"].cuda.runtime.deviceGetAttribute
-    return tuple(get(a, device) for a in (_SM_COUNT, _SHARED_PER_SM, _SHARED_OPTIN))
+def _device_sm_count(device):
+    return sys.modules["cupy"].cuda.runtime.deviceGetAttribute(_SM_COUNT, device)
 
 
-def _device_limits():
-    """``(SM count, dynamic shared memory per block)`` of the current device for the long-row
-    backward: LONG_BLOCKS_PER_SM blocks must fit on an SM (each block reserves 1 KiB), less the
-    kernels' static shared memory (at most 2 * (LONG_R / 32) float64 values, 1 KiB allowed)."""
-    cupy = sys.modules["cupy"]
-    sms, per_sm, optin = _device_attributes(cupy.cuda.runtime.getDevice())
-    budget = min(optin, per_sm // build.LONG_BLOCKS_PER_SM - 1024) - 1024
-    if build.LONG_SHARED_CAP is not None:
-        budget = min(budget, build.LONG_SHARED_CAP)
-    return sms, max(0, budget)
+def _sm_count():
+    """The SM count of the current device: the long-row backward launches LONG_BLOCKS_PER_SM
+    units an SM (build.long_units)."""
+    return _device_sm_count(sys.modules["cupy"].cuda.runtime.getDevice())
 
 
 def _no_rows(out, dx, d, acc, with_bias):

@@ -7,8 +7,9 @@
 //
 // A row that fits in one tile (d <= R * MAXV * V) is read once into registers and written
 // once. Longer rows are processed tile by tile: the forward (*_fwd_long, 512 threads a row, two
-// blocks an SM) reads them a second time to write the result; the backward (norm_bwd_long, a block per row) keeps in shared memory as many
-// tiles of its partial parameter gradients, then of the row, as fit, and reads the rest again.
+// blocks an SM) reads them a second time to write the result; the backward (norm_bwd_long)
+// forms the rows' sums in one launch and dx and the parameter gradients by tiles of columns in
+// a second, reading the rows twice.
 //
 // Row arguments: x points at row 0, ldx is the distance between rows in elements. vec_ok says
 // that every row pointer is aligned to a vector (16 bytes of the layout's type; V elements of
@@ -422,187 +423,115 @@ __device__ __forceinline__ void norm_bwd(const TY* dy, long long lddy, const T* 
         }
 }
 
-// Chunk c of a row kept in shared memory: V elements of T as one vector (V * sizeof(T)
-// bytes), converted from and to the accumulation type (exact both ways for a value of T).
-template <typename T, int V, typename A>
-__device__ __forceinline__ void stage_put(T* s, long long c, const A* a) {
-    typedef typename lnlib::Raw<V * sizeof(T)>::type W;
-    W raw;
-    T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int j = 0; j < V; ++j) e[j] = lnlib::Out<T>::of(a[j]);
-    reinterpret_cast<W*>(s)[c] = raw;
-}
-
-template <typename T, int V, typename A>
-__device__ __forceinline__ void stage_get(const T* s, long long c, A* a) {
-    typedef typename lnlib::Raw<V * sizeof(T)>::type W;
-    const W raw = reinterpret_cast<const W*>(s)[c];
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int j = 0; j < V; ++j) a[j] = lnlib::to_acc(e[j]);
-}
-
-// Backward of rows longer than one tile: a block (R threads, R >= 128) per row, block u being
-// unit u, taking rows u, u + units, ... (units = gridDim.x <= m). Per row, the arithmetic and
-// its order are norm_bwd's: each thread's elements in tile, slot, element order, then the
-// fixed trees of row_sum; xhat is recomputed in the second pass from the same x, mu and rstd,
-// so it is the value of the first. The row and the partial sums stay on chip where the
-// dynamic shared memory holds them (build.long_plan sizes it per launch):
-// - part_tiles tiles of the unit's partial sums of dy * xhat and dy (laid out [j][chunk], so
-//   that a warp's accesses are consecutive words), added to over all the unit's rows and
-//   written once, at the end, to row u of dw_part and db_part; the partial sums of the
-//   tile part_tiles (if any) in registers, likewise written once at the end; the partial
-//   sums of the tiles after it are read, added to and written back in row u of dw_part /
-//   db_part per row;
-// - stage_tiles tiles of the row's x and dy, kept by the first pass for the second; the
-//   other tiles are read again from memory.
-// Where each value is kept changes no bit: the same values are added in the same order.
-// Every shared-memory word is read and written by one thread only (thread t owns the chunks
-// c with c % R == t, in every row and both passes), so the buffers need no barrier; the only
-// barriers are row_sum's, which every thread of the block reaches (the row loop is uniform).
-// With MOD, block u takes the rows of one parameter row (ModRows), as a unit of its run.
+// Backward of rows longer than one tile, in two launches of this kernel (phase 0, then 1), so
+// that no partial sum goes to global memory row after row and nothing but the row sums' trees
+// needs shared memory:
+// - phase 0, a block of R threads per row (grid-stride over the rows): the row's sums of g and
+//   g * xhat, in tile, slot, element order, then the fixed trees of row_sum (so the order of
+//   norm_bwd), written as c[row] = mean(g) (0 for RMSNorm) and c[m + row] = mean(g * xhat);
+// - phase 1, blocks (unit u, tiles k): block u of the grid's x axis takes rows u, u + units,
+//   ... (units = gridDim.x <= m; with MOD the rows of one parameter row, ModRows), and for each
+//   tile k of columns (k = blockIdx.y, blockIdx.y + gridDim.y, ...) reads that tile of x and dy
+//   of its rows in turn, writes dx from c, and adds dy * xhat and dy to the partial sums of its
+//   columns in registers, written once to row u of dw_part and db_part. No barrier.
+// x and dy are read twice, dx written once; per column, a unit adds its rows in row order.
 template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, bool MOD = false,
           typename A>
 __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, const T* x,
                                               long long ldx, const T* dh, long long lddh,
                                               const A* mean, const A* rstd, const A* weight,
                                               T* dx, long long lddx, A* dw_part, A* db_part,
-                                              long long m, int d, int vec_ok, int part_tiles,
-                                              int stage_tiles, long long group = 1,
-                                              long long mods = 1) {
+                                              long long m, int d, int vec_ok, A* c, int phase,
+                                              long long group = 1, long long mods = 1) {
     static_assert(LNLIB_BLOCK(R) == R, "a block per row");
     const int V = Vec<T>::n, t = threadIdx.x;
     const int tiles = lnlib::tile_count<R, MAXV, V>(d);
-    __shared__ A shs[2 * (R / 32)];
-    extern __shared__ __align__(16) unsigned char dynamic_shared[];
-    const long long chunks = (long long)part_tiles * MAXV * R;  // of the partials on chip
-    A* pw = reinterpret_cast<A*>(dynamic_shared);  // element j of chunk c: pw[j * chunks + c]
-    A* pb = pw + V * chunks;                       // (CENTER only)
-    T* xs = reinterpret_cast<T*>(pw + (CENTER ? 2 : 1) * V * chunks);  // chunk c: vector c
-    TY* dys = reinterpret_cast<TY*>(xs + (long long)stage_tiles * MAXV * R * V);
+    A xv[MAXV][V], dyv[MAXV][V];
+    int cnt[MAXV];
+    if (phase == 0) {
+        __shared__ A shs[2 * (R / 32)];
+        for (long long row = blockIdx.x; row < m; row += gridDim.x) {
+            const A mu = CENTER ? mean[row] : A(0), rs = rstd[row];
+            const A* w = MOD && weight ? weight + (row / group) % mods * d : weight;
+            A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
+            for (int k = 0; k < tiles; ++k) {
+                load_tile<TY, R, MAXV, V>(dy + row * lddy, k, t, d, vec_ok, true, dyv, cnt);
+                load_tile<T, R, MAXV>(x + row * ldx, k, t, d, vec_ok, true, xv, cnt);
+#pragma unroll
+                for (int s = 0; s < MAXV; ++s)
+#pragma unroll
+                    for (int j = 0; j < V; ++j) {
+                        const long long i = column<R, MAXV, V>(k, s, j, t, cnt[s]);
+                        const A xh = (xv[s][j] - mu) * rs;
+                        const A g = w ? dyv[s][j] * __ldg(w + i) : dyv[s][j];
+                        sums[0] += g;
+                        sums[1] += g * xh;
+                    }
+            }
+            lnlib::row_sum<R, 2>(sums, shs);
+            if (t == 0) {
+                c[row] = CENTER ? sums[0] / A(d) : A(0);
+                c[m + row] = sums[1] / A(d);
+            }
+        }
+        return;
+    }
     const ModRows<MOD> rows(m, group, mods);
+    const A* c1 = c;
+    const A* c2 = c + m;
     if (MOD) {  // the run's first row, and its parameter row
         dy += rows.first * lddy, x += rows.first * ldx, dx += rows.first * lddx;
-        mean += rows.first, rstd += rows.first;
+        mean += rows.first, rstd += rows.first, c1 += rows.first, c2 += rows.first;
         if (weight) weight += rows.param * d;
     }
-    const long long u = blockIdx.x;  // MOD: unit rows.block of run rows.param
-    A* wrow = dw_part + u * d;
-    A* brow = CENTER ? db_part + u * d : db_part;
-    for (long long c = t; c < chunks; c += R)
+    A* wrow = dw_part + blockIdx.x * (long long)d;
+    A* brow = CENTER ? db_part + blockIdx.x * (long long)d : db_part;
+    for (int k = blockIdx.y; k < tiles; k += gridDim.y) {
+        A pw[MAXV][V], pb[MAXV][V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            pw[j * chunks + c] = A(0);
-            if (CENTER) pb[j * chunks + c] = A(0);
-        }
-    A rw[MAXV][V], rb[MAXV][V];  // the partial sums of tile part_tiles
+        for (int s = 0; s < MAXV; ++s)
 #pragma unroll
-    for (int s = 0; s < MAXV; ++s)
+            for (int j = 0; j < V; ++j) pw[s][j] = pb[s][j] = A(0);
+        for (long long q = rows.block; q < rows.count; q += rows.blocks) {
+            const long long row = rows.row(q);
+            const A mu = CENTER ? mean[row] : A(0), rs = rstd[row], a1 = c1[row], a2 = c2[row];
 #pragma unroll
-        for (int j = 0; j < V; ++j) rw[s][j] = rb[s][j] = A(0);
-    for (long long k = rows.block; k < rows.count; k += rows.blocks) {
-        const long long row = rows.row(k);
-        const bool initial = k == rows.block;
-        const A mu = CENTER ? mean[row] : A(0), rs = rstd[row];
-        const TY* dyr = dy + row * lddy;
-        const T* xr = x + row * ldx;
-        A xv[MAXV][V], dyv[MAXV][V];
-        int cnt[MAXV];
-        A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
-        for (int k = 0; k < tiles; ++k) {
-            load_tile<TY, R, MAXV, V>(dyr, k, t, d, vec_ok, true, dyv, cnt);
-            load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, true, xv, cnt);
-#pragma unroll
-            for (int s = 0; s < MAXV; ++s) {
-                const long long c = ((long long)k * MAXV + s) * R + t;
-                if (k < stage_tiles) {
-                    stage_put<T, V>(xs, c, xv[s]);
-                    stage_put<TY, V>(dys, c, dyv[s]);
-                }
+            for (int s = 0; s < MAXV; ++s) {  // a chunk at a time: few registers held
+                const long long ch = ((long long)k * MAXV + s) * R + t;
+                A xc[V], dyc[V], out[V];
+                lnlib::load_elems<TY, V, true>(dy + row * lddy, ch, d, vec_ok, dyc);
+                const int n = lnlib::load_elems<T, V, true>(x + row * ldx, ch, d, vec_ok, xc);
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
-                    const long long i = column<R, MAXV, V>(k, s, j, t, cnt[s]);
-                    const A xh = (xv[s][j] - mu) * rs;
-                    const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
-                    sums[0] += g;
-                    sums[1] += g * xh;
-                }
-            }
-        }
-        lnlib::row_sum<R, 2>(sums, shs);
-        const A c1 = CENTER ? sums[0] / A(d) : A(0), c2 = sums[1] / A(d);
-        for (int k = 0; k < tiles; ++k) {
-            if (k < stage_tiles) {
-#pragma unroll
-                for (int s = 0; s < MAXV; ++s) {
-                    const long long c = ((long long)k * MAXV + s) * R + t;
-                    const long long rest = (long long)d - c * V;  // elements from the chunk on
-                    cnt[s] = rest <= 0 ? 0 : rest < V ? (int)rest : V;
-                    stage_get<T, V>(xs, c, xv[s]);  // past the row: the zeros staged
-                    stage_get<TY, V>(dys, c, dyv[s]);
-                }
-            } else {
-                load_tile<TY, R, MAXV, V>(dyr, k, t, d, vec_ok, true, dyv, cnt);
-                load_tile<T, R, MAXV>(xr, k, t, d, vec_ok, true, xv, cnt);
-            }
-#pragma unroll
-            for (int s = 0; s < MAXV; ++s) {
-                const long long c = ((long long)k * MAXV + s) * R + t;
-                A out[V];
-#pragma unroll
-                for (int j = 0; j < V; ++j) {
-                    const long long i = column<R, MAXV, V>(k, s, j, t, cnt[s]);
-                    const A xh = (xv[s][j] - mu) * rs;
-                    const A g = weight ? dyv[s][j] * __ldg(weight + i) : dyv[s][j];
-                    out[j] = rs * (g - c1 - xh * c2);
-                    if (j < cnt[s]) {
-                        if (k < part_tiles) {
-                            pw[j * chunks + c] += dyv[s][j] * xh;
-                            if (CENTER) pb[j * chunks + c] += dyv[s][j];
-                        } else if (k == part_tiles) {
-                            rw[s][j] += dyv[s][j] * xh;
-                            if (CENTER) rb[s][j] += dyv[s][j];
-                        } else {
-                            wrow[i] = (initial ? A(0) : wrow[i]) + dyv[s][j] * xh;
-                            if (CENTER) brow[i] = (initial ? A(0) : brow[i]) + dyv[s][j];
-                        }
-                    }
+                    const long long i = column<R, MAXV, V>(k, s, j, t, n);
+                    const A xh = (xc[j] - mu) * rs;
+                    const A g = weight ? dyc[j] * __ldg(weight + i) : dyc[j];
+                    out[j] = rs * (g - a1 - xh * a2);
+                    pw[s][j] += dyc[j] * xh;  // elements past the row add zeros
+                    if (CENTER) pb[s][j] += dyc[j];
                 }
                 if constexpr (ADD) {
-                    if (dh && cnt[s]) {
+                    if (dh && n) {
                         A dhv[V];
-                        lnlib::load_elems<T, V, true>(dh + row * lddh, c, d, vec_ok, dhv);
+                        lnlib::load_elems<T, V, true>(dh + row * lddh, ch, d, vec_ok, dhv);
 #pragma unroll
                         for (int j = 0; j < V; ++j) out[j] = lnlib::rounded<T>(out[j]) + dhv[j];
                     }
                 }
-                if (cnt[s]) lnlib::store_chunk(dx + row * lddx, c, cnt[s], vec_ok, out);
+                if (n) lnlib::store_chunk(dx + row * lddx, ch, n, vec_ok, out);
             }
         }
-    }
-    // The partial sums kept on chip, written once (units have at least one row: the launch has
-    // rows.blocks <= rows.count).
-    for (long long c = t; c < chunks; c += R)
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const long long i = c * V + j;
-            if (i < d) {
-                wrow[i] = pw[j * chunks + c];
-                if (CENTER) brow[i] = pb[j * chunks + c];
-            }
-        }
-    if (part_tiles < tiles)
 #pragma unroll
         for (int s = 0; s < MAXV; ++s)
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                const long long i = (((long long)part_tiles * MAXV + s) * R + t) * V + j;
+                const long long i = (((long long)k * MAXV + s) * R + t) * V + j;
                 if (i < d) {
-                    wrow[i] = rw[s][j];
-                    if (CENTER) brow[i] = rb[s][j];
+                    wrow[i] = pw[s][j];
+                    if (CENTER) brow[i] = pb[s][j];
                 }
             }
+    }
 }
 
 // Second stage of the parameter gradients: out[col] = sum over u of part[u, col], for units
@@ -770,19 +699,19 @@ add_rms_norm_fwd_long(const TX* x, long long ldx, const TR* residual, long long 
                                                             rstd, m, d, eps, vec_ok);
 }
 
-// The long-row backward (norm_bwd_long) of each backward above, launched with a block of R
-// threads per row, two blocks an SM (so at most 128 registers a thread) and the dynamic shared
-// memory that build.long_plan gives for part_tiles and stage_tiles.
+// The long-row backward (norm_bwd_long) of each backward above, launched twice (phase 0, 1)
+// with blocks of R threads, two blocks an SM (so at most 128 registers a thread); c holds the
+// rows' two means between the launches.
 template <typename T, int R, int MAXV>
 __global__ void __launch_bounds__(R, 2)
 layer_norm_bwd_long(const T* dy, long long lddy, const T* x, long long ldx,
                     const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
                     const typename Acc<T>::type* weight, T* dx, long long lddx,
                     typename Acc<T>::type* dw_part, typename Acc<T>::type* db_part, long long m,
-                    int d, int vec_ok, int part_tiles, int stage_tiles) {
+                    int d, int vec_ok, typename Acc<T>::type* c, int phase) {
     norm_bwd_long<T, T, R, MAXV, true, false>(dy, lddy, x, ldx, (const T*)0, 0, mean, rstd,
                                               weight, dx, lddx, dw_part, db_part, m, d, vec_ok,
-                                              part_tiles, stage_tiles);
+                                              c, phase);
 }
 
 template <typename T, int R, int MAXV>
@@ -790,11 +719,11 @@ __global__ void __launch_bounds__(R, 2)
 rms_norm_bwd_long(const T* dy, long long lddy, const T* x, long long ldx,
                   const typename Acc<T>::type* rstd, const typename Acc<T>::type* weight, T* dx,
                   long long lddx, typename Acc<T>::type* dw_part, long long m, int d, int vec_ok,
-                  int part_tiles, int stage_tiles) {
+                  typename Acc<T>::type* c, int phase) {
     typedef typename Acc<T>::type A;
     norm_bwd_long<T, T, R, MAXV, false, false>(dy, lddy, x, ldx, (const T*)0, 0, (const A*)0,
                                                rstd, weight, dx, lddx, dw_part, (A*)0, m, d,
-                                               vec_ok, part_tiles, stage_tiles);
+                                               vec_ok, c, phase);
 }
 
 template <typename TY, typename TH, int R, int MAXV>
@@ -804,10 +733,10 @@ add_layer_norm_bwd_long(const TY* dy, long long lddy, const TH* dh, long long ld
                         const typename Acc<TH>::type* rstd,
                         const typename Acc<TH>::type* weight, TH* dsum, long long ldds,
                         typename Acc<TH>::type* dw_part, typename Acc<TH>::type* db_part,
-                        long long m, int d, int vec_ok, int part_tiles, int stage_tiles) {
+                        long long m, int d, int vec_ok, typename Acc<TH>::type* c, int phase) {
     norm_bwd_long<TY, TH, R, MAXV, true, true>(dy, lddy, h, ldh, dh, lddh, mean, rstd, weight,
                                                dsum, ldds, dw_part, db_part, m, d, vec_ok,
-                                               part_tiles, stage_tiles);
+                                               c, phase);
 }
 
 template <typename TY, typename TH, int R, int MAXV>
@@ -816,11 +745,11 @@ add_rms_norm_bwd_long(const TY* dy, long long lddy, const TH* dh, long long lddh
                       long long ldh, const typename Acc<TH>::type* rstd,
                       const typename Acc<TH>::type* weight, TH* dsum, long long ldds,
                       typename Acc<TH>::type* dw_part, long long m, int d, int vec_ok,
-                      int part_tiles, int stage_tiles) {
+                      typename Acc<TH>::type* c, int phase) {
     typedef typename Acc<TH>::type A;
     norm_bwd_long<TY, TH, R, MAXV, false, true>(dy, lddy, h, ldh, dh, lddh, (const A*)0, rstd,
                                                 weight, dsum, ldds, dw_part, (A*)0, m, d,
-                                                vec_ok, part_tiles, stage_tiles);
+                                                vec_ok, c, phase);
 }
 
 // AdaLN and GroupNorm: LayerNorm whose weight and bias (mods, d) change with the row, row i
@@ -875,10 +804,10 @@ modulated_layer_norm_bwd_long(const T* dy, long long lddy, const T* x, long long
                               const typename Acc<T>::type* weight, T* dx, long long lddx,
                               typename Acc<T>::type* dw_part, typename Acc<T>::type* db_part,
                               long long m, int d, int vec_ok, long long group, long long mods,
-                              int part_tiles, int stage_tiles) {
+                              typename Acc<T>::type* c, int phase) {
     norm_bwd_long<T, T, R, MAXV, true, false, true>(dy, lddy, x, ldx, (const T*)0, 0, mean,
                                                     rstd, weight, dx, lddx, dw_part, db_part, m,
-                                                    d, vec_ok, part_tiles, stage_tiles, group,
+                                                    d, vec_ok, c, phase, group,
                                                     mods);
 }
 
