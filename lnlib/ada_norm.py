@@ -121,8 +121,8 @@ def ada_layer_norm_forward(x, shift, scale, *, eps=1e-6, normalized_ndim=1):
 
     Notes
     -----
-    On CuPy arrays the CUDA kernels apply the modulation inside the LayerNorm kernel (x read
-    once, y written once), with ``1 + scale`` and ``shift`` in the accumulation dtype; the
+    On CuPy arrays the CUDA kernels apply the modulation inside the LayerNorm kernel (no pass
+    over x or y of its own), with ``1 + scale`` and ``shift`` in the accumulation dtype; the
     other paths compute the LayerNorm, then the modulation. Covered in
     :doc:`/book/04_variants`, section "Conditioning through the norm".
 

@@ -181,8 +181,8 @@ def group_norm_forward(x, num_groups, weight=None, bias=None, *, eps=1e-5):
     Statistics are computed by the LayerNorm row implementation on the rows (corrected
     two-pass, accumulated in float32 for float16/float32 and float64 for float64), so each
     example's result is bitwise independent of the other examples in the batch. On CuPy
-    arrays the CUDA kernels apply the per-channel gain and bias inside the LayerNorm kernel (x
-    read once, y written once). Covered in :doc:`/book/04_variants`, section "The family by
+    arrays the CUDA kernels apply the per-channel gain and bias inside the LayerNorm kernel (no
+    pass over x or y of their own). Covered in :doc:`/book/04_variants`, section "The family by
     axes".
 
     References
