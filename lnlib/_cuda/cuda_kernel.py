@@ -121,6 +121,10 @@ def _forward_shape(op, dtype, d):
     return op, r, maxv
 
 
+#: The largest y extent of a grid (CUDA's limit).
+_MAX_GRID_Y = 65535
+
+
 def _column_sum(op, dtype, part, runs=None):
     """Second stage of a parameter gradient: the units of ``part`` (units, D) added in order,
     into a (D,) result; with ``runs`` (a modulated backward), ``part`` is that many buffers of
@@ -136,9 +140,6 @@ def _column_sum(op, dtype, part, runs=None):
         args = (part[first * per_run :], np.int64(per_run), np.int32(d), out.reshape(-1, d)[first:])
         fn((-(-d // cols), n), (32 * cols,), args)
     return out
-
-
-_MAX_GRID_Y = 65535
 
 
 def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()):

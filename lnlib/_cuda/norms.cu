@@ -446,10 +446,10 @@ __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, cons
     static_assert(LNLIB_BLOCK(R) == R, "a block per row");
     const int V = Vec<T>::n, t = threadIdx.x;
     const int tiles = lnlib::tile_count<R, MAXV, V>(d);
-    A xv[MAXV][V], dyv[MAXV][V];
-    int cnt[MAXV];
     if (phase == 0) {
         __shared__ A shs[2 * (R / 32)];
+        A xv[MAXV][V], dyv[MAXV][V];
+        int cnt[MAXV];
         for (long long row = blockIdx.x; row < m; row += gridDim.x) {
             const A mu = CENTER ? mean[row] : A(0), rs = rstd[row];
             const A* w = MOD && weight ? weight + (row / group) % mods * d : weight;
