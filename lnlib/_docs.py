@@ -224,6 +224,75 @@ TORCH = {
     Gemma's RMSNorm).""",
     "residual_dtype": _RESIDUAL_DTYPE,
 }
+#: What GroupNorm and Dynamic Tanh mean by the parameters of their bridge functions.
+TORCH_GROUP = {
+    **TORCH,
+    "x": """x : torch.Tensor, shape ``(N, C, *spatial)``, float16/bfloat16/float32/float64
+    Input, on the CPU or a CUDA device.""",
+    "num_groups": """num_groups : int
+    G, a divisor of C.""",
+    "weight": """weight, bias : torch.Tensor of shape (C,) or None
+    Per-channel gain and bias, on the device of ``x``.""",
+}
+TORCH_DYT = {
+    **TORCH,
+    "x": """x : torch.Tensor, shape ``(..., D)``, floating
+    Input, on the CPU or a CUDA device.""",
+    "alpha": """alpha : torch.Tensor of shape () or (1,), or float
+    The scalar :math:`\\alpha`; a float is a constant (no gradient), applied like
+    ``torch.tanh(alpha * x)`` applies it: not rounded to the dtype of ``x`` first.""",
+    "weight": """weight, bias : torch.Tensor of shape (D,) or None
+    Gain and bias along the last axis, on the device of ``x``.""",
+}
+GROUP_RETURNED = (
+    " and its memory format (channels-last or not, as ``torch.nn.functional.group_norm`` keeps"
+    " it, also for the gradient of ``x``)"
+)
+_FUSED_RETURNS = """y : torch.Tensor
+    Shape and dtype of ``x``: the norm of ``h`` as stored.
+h : torch.Tensor
+    ``residual + x`` in ``residual_dtype``. Both are differentiable (once); ``x`` and
+    ``residual`` get one gradient, ``dh + dy`` through the norm, each in its own dtype."""
+
+
+def _indent(text):
+    """``text`` as the description of a numpydoc entry: wrapped, indented by 4."""
+    return textwrap.fill(text, 92, initial_indent="    ", subsequent_indent="    ")
+
+
+def torch_function(lnlib_fn, table=TORCH, returned="", **more):
+    """Decorator: the Parameters, Returns and Raises sections of a function of the bridge that
+    runs :func:`lnlib.<lnlib_fn>`. Its parameters come from ``more``, then ``table``; it returns
+    ``y`` (``returned`` says more of it) differentiable in its tensor inputs, or, with a
+    ``residual``, ``y`` and ``h``; its errors are those of its checks of the tensors, then those
+    of ``lnlib_fn``."""
+
+    def give(fn):
+        if not fn.__doc__:
+            return fn
+        names = list(inspect.signature(fn).parameters)
+        tensors = [f"``{n}``" for n in names if n in ("x", "alpha", "weight", "bias")]
+        tensors = [t + " (a tensor)" if "alpha" in t else t for t in tensors]
+        inputs = f"{', '.join(tensors[:-1])} and {tensors[-1]}"
+        returns = f"Shape and dtype of ``x``{returned}; differentiable (once) in {inputs}."
+        returns = f"torch.Tensor\n{_indent(returns)}"
+        checks = ["``x`` is not a floating tensor"]
+        if "residual" in names:
+            returns, checks = _FUSED_RETURNS, ["``x`` or ``residual`` is not a floating tensor"]
+        if "normalized_shape" in names:
+            checks.append("``x`` does not end with ``normalized_shape``")
+        if "residual_dtype" in names:
+            checks.append("``residual_dtype`` is not a floating dtype")
+        checks = " or ".join([", ".join(checks[:-1]), checks[-1]] if checks[1:] else checks)
+        raises = _indent(f"{checks}; otherwise as :func:`lnlib.{lnlib_fn}`.")
+        raises = f"TypeError, ValueError\n{raises}"
+        fn.__doc__ = f"{inspect.cleandoc(fn.__doc__)}\n\nReturns\n-------\n{returns}\n\n"
+        fn.__doc__ += f"Raises\n------\n{raises}\n"
+        return parameters(table, **more)(fn)
+
+    return give
+
+
 #: The bridge's modules' constructors (``LayerNorm``, ...).
 TORCH_MODULE = {
     **ENTRIES,
@@ -250,6 +319,17 @@ def module_forward(fn, fused=False):
     return step(f"Compute {what} with :func:`{fn}`.", x, f"{y}; differentiable (once).",
                 f":func:`{fn}`")  # fmt: skip
 
+
+#: A torch module's ``reset_parameters``.
+RESET = """Reset the parameters to their initial values, as ``torch.nn`` layers do.
+
+        The weight becomes ``1 - weight_offset`` (ones by default), a bias zeros; in place.
+
+        Returns
+        -------
+        None
+            The parameters are changed in place.
+        """
 
 #: A torch module's ``extra_repr``; ``{0}``: whose ``repr`` it follows.
 EXTRA_REPR = r"""The constructor arguments shown by ``repr(module)``, as in {0}.

@@ -218,6 +218,19 @@ def normalized_shape_value(normalized_shape):
     return shape
 
 
+def num_groups_value(num_groups, channels, what):
+    """``num_groups`` as an int: an integer (not a bool), at least 1, dividing ``channels``
+    (``what`` names them in the error)."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
+        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    g = int(num_groups)
+    if g < 1:
+        raise ValueError(f"num_groups must be >= 1, got {g}")
+    if channels % g:
+        raise ValueError(f"num_groups must divide {what} = {channels}, got {g}")
+    return g
+
+
 def shape_value(shape, name):
     """Return ``shape`` as a tuple of non-negative ints, or raise naming ``name``."""
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):

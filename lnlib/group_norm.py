@@ -9,7 +9,6 @@ point (:func:`lnlib.use_implementation`) picks, so that GroupNorm inherits its a
 """
 
 import math
-import numbers
 
 import numpy as np
 
@@ -66,15 +65,7 @@ def _check_groups(x, num_groups):
     """Check ``x`` is (B, C, ...) with C divisible by ``num_groups``; return G as an int."""
     if x.ndim < 2:
         raise ValueError(f"x must have shape (N, C, ...) with at least 2 axes, got {x.shape}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
-        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
-    g, c = int(num_groups), x.shape[1]
-    if g < 1:
-        raise ValueError(f"num_groups must be >= 1, got {g}")
-    if c % g:
-        raise ValueError(
-            f"num_groups must divide the number of channels C = x.shape[1] = {c}, got {g}"
-        )
+    g = check.num_groups_value(num_groups, x.shape[1], "the number of channels C = x.shape[1]")
     if 0 in x.shape[1:]:
         raise ValueError(f"x has no values to normalize in a group: shape {x.shape}")
     return g

@@ -1,19 +1,14 @@
 r"""PyTorch bridge: lnlib's norms (and the fused residual add) inside a torch model.
 
-Every ``torch.autograd.Function`` here is made by one class decorator, :func:`_function`: its
-forward runs an lnlib forward and names the lnlib backward that gives the gradients of its
-tensor inputs (for the fused residual add, from those of both ``y`` and ``h``); one shared
-backward runs it. Tensors cross without copies: a CPU tensor is viewed as a NumPy array
-(``Tensor.numpy()``, ``torch.from_numpy`` share memory), a CUDA tensor as a CuPy array through
-DLPack (:mod:`lnlib._cuda.dlpack`), and lnlib's CUDA kernels run on torch's current stream, so
-they queue behind torch's own work with no synchronisation. NumPy has no bfloat16: such tensors
-are computed in float32 and cast back. The backward is not differentiable again
-(:func:`first_order_only`).
-
-:class:`LayerNorm`, :class:`RMSNorm` and :class:`GroupNorm` are drop-in replacements for their
-``torch.nn`` namesakes (same constructor arguments, parameter names and initialisation, so a
-state dict moves between them unchanged). This module is the only place in lnlib that imports
-torch; ``import lnlib`` does not import it. Covered in :ref:`sec-ch05-torch-bridge`.
+Each ``torch.autograd.Function`` is made by one class decorator, :func:`_function`: its forward
+runs an lnlib forward and names the lnlib backward that one shared :func:`_backward` runs.
+Tensors cross without copies: a CPU tensor as a NumPy array on its memory, a CUDA tensor as a
+CuPy array through DLPack, with lnlib's CUDA kernels on torch's current stream (no
+synchronisation). NumPy has no bfloat16: such tensors are computed in float32 and cast back.
+The backward is not differentiable again (:func:`first_order_only`). :class:`LayerNorm`,
+:class:`RMSNorm` and :class:`GroupNorm` are drop-ins for their ``torch.nn`` namesakes (same
+arguments, parameter names and initialisation: a state dict moves between them unchanged).
+The only module of lnlib that imports torch. Covered in :ref:`sec-ch05-torch-bridge`.
 
 References
 ----------
@@ -26,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import numbers
 
 import numpy as np
 import torch
@@ -88,13 +82,10 @@ def _stream_of(t):
 
 
 def first_order_only(backward):
-    """Decorator for a ``backward`` that torch must not differentiate again.
-
-    lnlib's backward passes run in NumPy, outside torch's graph: a graph built through them
-    (``create_graph=True``, ``torch.autograd.functional.hessian``, ``gradgradcheck``) would
-    hold zeros or nothing where second derivatives belong. The backward therefore refuses
-    to run with grad mode on, which is exactly when torch builds that graph.
-    """
+    """Decorator for a ``backward`` that torch must not differentiate again: lnlib's backward
+    runs outside torch's graph, so a graph built through it (``create_graph=True``, hessians,
+    ``gradgradcheck``) would hold zeros or nothing. It refuses to run with grad mode on, which
+    is exactly when torch builds that graph."""
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
@@ -131,7 +122,7 @@ def _finish(ctx, outputs, stats, saved, backward, layout=None):
 
 @first_order_only
 def _backward(ctx, dy, *grads):
-    r"""Run the lnlib backward the forward named; return the gradients torch asks for.
+    """Run the lnlib backward the forward named; return the gradients torch asks for.
 
     Parameters
     ----------
@@ -140,20 +131,14 @@ def _backward(ctx, dy, *grads):
     dy : torch.Tensor, shape of ``x``
         Gradient of the loss with respect to ``y``.
     *grads : torch.Tensor or None
-        Gradients with respect to the other outputs: those of the differentiable ones (``h``
-        of the fused residual add) go to the lnlib backward, those of the statistics are
-        ignored (they are not differentiable).
+        Gradients of the other outputs: that of ``h`` (the fused add) is used, those of the
+        statistics are ignored (they are not differentiable).
 
     Returns
     -------
     tuple
-        One entry per input of the forward: where torch needs it, its gradient (in its dtype);
-        elsewhere None.
-
-    Raises
-    ------
-    RuntimeError
-        Called with grad mode on (``create_graph=True``): there is no double backward.
+        For each input of the forward, its gradient (in its dtype) where torch asks one, else
+        None. Under grad mode (``create_graph=True``) it raises RuntimeError: no double backward.
     """
     douts = (dy, *grads[: ctx.n_outputs - 1])
     with _stream_of(dy):
@@ -350,158 +335,71 @@ def _norm(function, x, normalized_shape, params, eps, weight_offset, *fused):
     return results[:2] if fused else results[0]
 
 
-_args = _docs.parameters(_docs.TORCH)
+_rms_eps = {"eps": _docs.TORCH_RMS_EPS}
 
 
-@_args
+@_docs.torch_function("layer_norm_forward")
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0):
-    r"""LayerNorm of a tensor through lnlib, like ``torch.nn.functional.layer_norm``.
+    """LayerNorm of a tensor through lnlib, like ``torch.nn.functional.layer_norm``.
 
     Covered in :ref:`sec-ch05-torch-bridge`.
-
-    Returns
-    -------
-    torch.Tensor
-        Shape and dtype of ``x``; differentiable (once) in ``x``, ``weight`` and ``bias``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        ``x`` is not a floating tensor or does not end with ``normalized_shape``; otherwise
-        as :func:`lnlib.layer_norm_forward` (the shapes of ``weight``/``bias``, ...).
     """
     return _norm(LayerNormFunction, x, normalized_shape, (weight, bias), eps, weight_offset)
 
 
-@_docs.parameters(_docs.TORCH, eps=_docs.TORCH_RMS_EPS)
+@_docs.torch_function("rms_norm_forward", **_rms_eps)
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, weight_offset=0.0):
-    r"""RMSNorm of a tensor through lnlib, like ``torch.nn.functional.rms_norm``.
+    """RMSNorm of a tensor through lnlib, like ``torch.nn.functional.rms_norm``.
 
     Covered in :ref:`sec-ch05-torch-bridge`.
-
-    Returns
-    -------
-    torch.Tensor
-        Shape and dtype of ``x``; differentiable (once) in ``x`` and ``weight``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        As for :func:`layer_norm`, with :func:`lnlib.rms_norm_forward`.
     """
     return _norm(RMSNormFunction, x, normalized_shape, (weight,), eps, weight_offset)
 
 
-@_args
+@_docs.torch_function("group_norm_forward", _docs.TORCH_GROUP, _docs.GROUP_RETURNED)
 def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
-    r"""GroupNorm of a tensor through lnlib, like ``torch.nn.functional.group_norm``.
+    """GroupNorm of a tensor through lnlib, like ``torch.nn.functional.group_norm``.
 
     Covered in :doc:`/book/04_variants`, section "The family by axes"; the bridge in
     :ref:`sec-ch05-torch-bridge`.
-
-    Parameters
-    ----------
-    x : torch.Tensor, shape ``(N, C, *spatial)``, float16/bfloat16/float32/float64
-        Input, on the CPU or a CUDA device.
-    num_groups : int
-        G, a divisor of C.
-    weight, bias : torch.Tensor of shape (C,) or None
-        Per-channel gain and bias, on the device of ``x``.
-
-    Returns
-    -------
-    torch.Tensor
-        Shape, dtype and memory format (channels-last or not, as ``torch.nn.functional
-        .group_norm`` keeps it) of ``x``; differentiable in ``x``, ``weight`` and ``bias``;
-        the gradient of ``x`` has the memory format of ``x`` too.
-
-    Raises
-    ------
-    TypeError, ValueError
-        As :func:`lnlib.group_norm_forward`.
     """
     _check_tensor("x", x)
     y, _, _ = GroupNormFunction.apply(x, num_groups, weight, bias, float(eps))
     return y
 
 
-@_args
+@_docs.torch_function("dynamic_tanh", _docs.TORCH_DYT)
 def dynamic_tanh(x, alpha, weight=None, bias=None):
     r"""Dynamic Tanh of a tensor through lnlib: ``weight * tanh(alpha * x) + bias``.
 
     Covered in :doc:`/book/04_variants`, section "Without normalization: Dynamic Tanh"; the
     bridge in :ref:`sec-ch05-torch-bridge`.
-
-    Parameters
-    ----------
-    x : torch.Tensor, shape ``(..., D)``, floating
-        Input, on the CPU or a CUDA device.
-    alpha : torch.Tensor of shape () or (1,), or float
-        The scalar :math:`\alpha`; a float is a constant (no gradient), applied like
-        ``torch.tanh(alpha * x)`` applies it: not rounded to the dtype of ``x`` first.
-    weight, bias : torch.Tensor of shape (D,) or None
-        Gain and bias along the last axis, on the device of ``x``.
-
-    Returns
-    -------
-    y : torch.Tensor
-        Shape and dtype of ``x``; differentiable in ``x``, ``alpha`` (a tensor), ``weight``
-        and ``bias``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        ``x`` not a floating tensor; otherwise as :func:`lnlib.dynamic_tanh`.
     """
     _check_tensor("x", x)
     return DynamicTanhFunction.apply(x, alpha, weight, bias)
 
 
-@_args
+@_docs.torch_function("add_layer_norm_forward")
 def add_layer_norm(
     x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0,
     residual_dtype=None,
 ):  # fmt: skip
-    r"""The residual add and LayerNorm through lnlib: ``h = residual + x; y = layer_norm(h)``.
+    """The residual add and LayerNorm through lnlib: ``h = residual + x; y = layer_norm(h)``.
 
     Covered in :ref:`sec-ch05-fused-add`.
-
-    Returns
-    -------
-    y : torch.Tensor
-        Shape and dtype of ``x``: the LayerNorm of ``h`` as stored.
-    h : torch.Tensor
-        ``residual + x`` in ``residual_dtype``. Both are differentiable (once); ``x`` and
-        ``residual`` get one gradient, ``dh + dy`` through the norm, each in its own dtype.
-
-    Raises
-    ------
-    TypeError, ValueError
-        ``x`` or ``residual`` not a floating tensor, ``x`` not ending with
-        ``normalized_shape``, ``residual_dtype`` not a floating dtype; otherwise as
-        :func:`lnlib.add_layer_norm_forward` (``residual`` not of the shape of ``x``, ...).
     """
     params, fused = (weight, bias), (residual, residual_dtype)
     return _norm(AddLayerNormFunction, x, normalized_shape, params, eps, weight_offset, *fused)
 
 
-@_docs.parameters(_docs.TORCH, eps=_docs.TORCH_RMS_EPS)
+@_docs.torch_function("add_rms_norm_forward", **_rms_eps)
 def add_rms_norm(
     x, residual, normalized_shape, weight=None, eps=None, *, weight_offset=0.0,
     residual_dtype=None,
 ):  # fmt: skip
-    r"""The residual add and RMSNorm through lnlib, ``h = residual + x; y = rms_norm(h)``, as
-    :func:`add_layer_norm` does it for LayerNorm. Covered in :ref:`sec-ch05-fused-add`.
+    """The residual add and RMSNorm through lnlib: ``h = residual + x; y = rms_norm(h)``.
 
-    Returns
-    -------
-    y, h : torch.Tensor
-        As for :func:`add_layer_norm`, with the RMSNorm of ``h``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        As for :func:`add_layer_norm`, with :func:`lnlib.add_rms_norm_forward`.
+    Covered in :ref:`sec-ch05-fused-add`.
     """
     fused = (residual, residual_dtype)
     return _norm(AddRMSNormFunction, x, normalized_shape, (weight,), eps, weight_offset, *fused)
@@ -531,16 +429,8 @@ class _Norm(nn.Module):
         fills = _norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
         _learn(self, self.normalized_shape, device, dtype, **fills)
 
+    @_docs.doc(_docs.RESET)
     def reset_parameters(self):
-        """Reset the parameters to their initial values, as ``torch.nn`` layers do.
-
-        The weight becomes ``1 - weight_offset`` (ones by default), a bias zeros; in place.
-
-        Returns
-        -------
-        None
-            The parameters are changed in place.
-        """
         if self.weight is not None:
             nn.init.constant_(self.weight, 1.0 - self.weight_offset)
         if getattr(self, "bias", None) is not None:
@@ -606,14 +496,7 @@ class GroupNorm(nn.Module):
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
         super().__init__()
-        if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
-            raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
-        if num_groups < 1:
-            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-        if num_channels % num_groups:
-            raise ValueError(
-                f"num_groups must divide num_channels = {num_channels}, got {num_groups}"
-            )
+        _validate.num_groups_value(num_groups, num_channels, "num_channels")
         self.num_groups, self.num_channels, self.eps = num_groups, num_channels, eps
         self.affine = affine
         _learn(self, (num_channels,), device, dtype, **_affine(affine))

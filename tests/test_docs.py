@@ -82,3 +82,32 @@ def test_a_section_goes_before_the_later_ones_and_a_missing_entry_fails():
 
     with pytest.raises(KeyError, match="nothing_known"):
         _docs.parameters(TABLE)(h)
+
+
+def test_a_bridge_function_gets_returns_and_raises_from_its_signature():
+    """torch_function: the differentiable inputs and the checks are those of the signature."""
+
+    def plain(x, normalized_shape, weight=None, eps=1e-5):
+        """Summary.
+
+        Covered in here.
+        """
+
+    def fused(x, residual, normalized_shape, weight=None, residual_dtype=None):
+        """Summary."""
+
+    def scalar(x, alpha, bias=None):
+        """Summary."""
+
+    table = {**TABLE, **{n: f"{n} : object\n    Its {n}." for n in ("x", "weight", "bias")}}
+    table.update({n: f"{n} : object\n    Its {n}." for n in ("normalized_shape", "residual")})
+    table.update({n: f"{n} : object\n    Its {n}." for n in ("alpha", "residual_dtype")})
+    docs = [inspect.getdoc(_docs.torch_function("f", table)(g)) for g in (plain, fused, scalar)]
+    docs = [doc.replace("\n    ", " ") for doc in docs]  # unwrapped
+    for doc in docs:
+        sections = [doc.index(s) for s in ("Parameters\n---", "Returns\n---", "Raises\n---")]
+        assert sections == sorted(sections) and doc.endswith("as :func:`lnlib.f`.")
+    assert "in ``x`` and ``weight``." in docs[0] and "``normalized_shape``" in docs[0]
+    assert "y : torch.Tensor" in docs[1] and "``residual_dtype`` is not" in docs[1]
+    assert "``alpha`` (a tensor) and ``bias``" in docs[2]
+    assert "normalized_shape" not in docs[2] and "residual" not in docs[2]
