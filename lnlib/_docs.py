@@ -74,6 +74,19 @@ ENTRIES = {
     Whether to learn a per-channel ``weight`` (ones) and ``bias`` (zeros) of shape (C,).""",
     "dtype": """dtype : dtype, default {default}
     Dtype of the parameters.""",
+    "dim": """dim : int
+    D, the size of the last axis of ``x``.""",
+    "cond_dim": """cond_dim : int
+    D_c, the size of the conditioning vector c.""",
+    "zero_init": """zero_init : bool, default {default}
+    adaLN-Zero (weight and bias zero). Otherwise the weight is drawn from
+    N(0, 1/cond_dim) with ``rng``.""",
+    "rng": """rng : numpy.random.Generator, optional
+    Random generator for the weight when ``zero_init`` is False.""",
+    "num_features": """num_features : int
+    Number of channels C.""",
+    "momentum": """momentum : float, default {default}
+    Weight of the batch statistics in the running averages.""",
 }
 
 #: What RMSNorm (and its fused form) means by the names it shares with LayerNorm.
@@ -161,7 +174,7 @@ def parameters(table, **more):
 # The steps of the NumPy layers (lnlib.layers): a forward through one lnlib function, a backward
 # through its backward that also stores the gradients of the parameters.
 _X = "x : ndarray\n    Shape ``{}``, floating."
-_NO_FORWARD = "RuntimeError\n    No forward has been run.\n"
+NO_FORWARD = "RuntimeError\n    No forward has been run.\n"
 
 
 def layer_forward(fn, shape, result, inputs=_X, outputs="y : ndarray, shape and dtype of ``x``"):
@@ -179,7 +192,7 @@ def layer_backward(fn, stored, dh="", outputs="dx : ndarray, shape and dtype of 
     dy = "dy : ndarray, shape of the last forward's ``x``\n    Gradient of the loss with respect "
     dy += "to the last forward's output" + (" ``y``." if dh else ".") + dh
     dx = f"{outputs}\n    Gradient of the loss with respect to the last forward's input{to}."
-    return step(summary, dy, dx, f":func:`lnlib.{fn}`", _NO_FORWARD)
+    return step(summary, dy, dx, f":func:`lnlib.{fn}`", NO_FORWARD)
 
 
 #: The fused layers' forward takes x and residual and returns y and h (the arguments of

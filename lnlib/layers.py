@@ -186,18 +186,6 @@ class AdaLN(_Layer):
 
     Covered in :doc:`/book/04_variants`, section "Conditioning through the norm".
 
-    Parameters
-    ----------
-    dim : int
-        D, the size of the last axis of ``x``.
-    cond_dim : int
-        D_c, the size of the conditioning vector c.
-    zero_init : bool, default True
-        adaLN-Zero (weight and bias zero). Otherwise the weight is drawn from
-        N(0, 1/cond_dim) with ``rng``.
-    rng : numpy.random.Generator, optional
-        Random generator for the weight when ``zero_init`` is False.
-
     Attributes
     ----------
     weight, bias : ndarray (cond_dim, 3 * dim) and (3 * dim,)
@@ -212,28 +200,16 @@ class AdaLN(_Layer):
             self.weight[...] = rng.normal(0.0, self.cond_dim**-0.5, self.weight.shape)
         self.dweight = self.dbias = None
 
+    @_docs.step(
+        "Modulate the LayerNorm of ``x`` by the conditioning ``c``; return ``(y, gate)``.",
+        "x : ndarray, shape ``(B, dim)`` or ``(B, T, dim)``, floating\n    Input, normalized over "
+        "its last axis.\nc : ndarray, shape ``(B, cond_dim)``, floating\n    Conditioning vectors.",
+        "y : ndarray, shape and dtype of ``x``\n    :math:`\\hat{x}\\,(1 + \\mathrm{scale}) + "
+        "\\mathrm{shift}`.\ngate : ndarray, shape ``(B, dim)`` (``(B, 1, dim)`` for 3-d ``x``)\n"
+        "    The gate for the residual branch that follows (applied by the caller).",
+        ":func:`lnlib.adaln_modulation` and :func:`lnlib.ada_layer_norm_forward`",
+    )
     def forward(self, x, c):
-        r"""Modulate the LayerNorm of ``x`` by the conditioning ``c``; return ``(y, gate)``.
-
-        Parameters
-        ----------
-        x : ndarray, shape ``(B, dim)`` or ``(B, T, dim)``, floating
-            Input, normalized over its last axis.
-        c : ndarray, shape ``(B, cond_dim)``, floating
-            Conditioning vectors.
-
-        Returns
-        -------
-        y : ndarray, shape and dtype of ``x``
-            :math:`\hat{x}\,(1 + \mathrm{scale}) + \mathrm{shift}`.
-        gate : ndarray, shape ``(B, dim)`` (``(B, 1, dim)`` for 3-d ``x``)
-            The gate for the residual branch that follows (applied by the caller).
-
-        Raises
-        ------
-        TypeError, ValueError
-            As for :func:`lnlib.adaln_modulation` and :func:`lnlib.ada_layer_norm_forward`.
-        """
         shift, scale, gate = adaln_modulation(c, self.weight, self.bias)
         expand = (slice(None),) + (None,) * (np.ndim(x) - 2)
         shift, scale, gate = shift[expand], scale[expand], gate[expand]
@@ -241,31 +217,17 @@ class AdaLN(_Layer):
         self._saved = (x, c, mean, rstd, scale, expand)
         return y, gate
 
+    @_docs.step(
+        "Backward of the last :meth:`forward`: ``(dx, dc)``; also stores ``dweight``, ``dbias``.",
+        "dy : ndarray, shape of ``x``\n    Gradient of the loss with respect to ``y``.\n"
+        "dgate : ndarray, shape of ``gate``, optional\n    Gradient with respect to ``gate``; "
+        "None counts as zero.",
+        "dx : ndarray, shape and dtype of ``x``\n    Gradient with respect to ``x``.\n"
+        "dc : ndarray, shape ``(B, cond_dim)``\n    Gradient with respect to ``c``.",
+        ":func:`lnlib.ada_layer_norm_backward` and :func:`lnlib.adaln_modulation_backward`",
+        _docs.NO_FORWARD,
+    )
     def backward(self, dy, dgate=None):
-        r"""Backward of the last :meth:`forward`: ``(dx, dc)``; also stores ``dweight``, ``dbias``.
-
-        Parameters
-        ----------
-        dy : ndarray, shape of ``x``
-            Gradient of the loss with respect to ``y``.
-        dgate : ndarray, shape of ``gate``, optional
-            Gradient with respect to ``gate``; None counts as zero.
-
-        Returns
-        -------
-        dx : ndarray, shape and dtype of ``x``
-            Gradient with respect to ``x``.
-        dc : ndarray, shape ``(B, cond_dim)``
-            Gradient with respect to ``c``.
-
-        Raises
-        ------
-        RuntimeError
-            No forward has been run.
-        TypeError, ValueError
-            As for :func:`lnlib.ada_layer_norm_backward` and
-            :func:`lnlib.adaln_modulation_backward`.
-        """
         x, c, mean, rstd, scale, expand = self._take()
         dx, dshift, dscale = ada_layer_norm_backward(dy, x, mean, rstd, scale)
         squeeze = tuple(range(1, np.ndim(x) - 1))
@@ -288,10 +250,6 @@ class BatchNorm(_Layer):
 
     Parameters
     ----------
-    num_features : int
-        Number of channels C.
-    momentum : float, default 0.1
-        Weight of the batch statistics in the running averages.
     dtype : dtype, default float32
         Dtype of the parameters and running statistics.
 

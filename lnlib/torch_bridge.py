@@ -138,7 +138,12 @@ def _backward(ctx, dy, *grads):
     -------
     tuple
         For each input of the forward, its gradient (in its dtype) where torch asks one, else
-        None. Under grad mode (``create_graph=True``) it raises RuntimeError: no double backward.
+        None.
+
+    Raises
+    ------
+    RuntimeError
+        Called with grad mode on (``create_graph=True``): there is no double backward.
     """
     douts = (dy, *grads[: ctx.n_outputs - 1])
     with _stream_of(dy):
