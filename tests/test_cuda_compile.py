@@ -44,9 +44,10 @@ NVCC = _nvcc()
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA compiler) is not installed")
 
 
-def instantiation_source():
-    """The kernel source plus one address-of per name expression, which instantiates it."""
-    names = build.all_name_expressions()
+def instantiation_source(arch):
+    """The kernel source plus one address-of per name expression of compute capability
+    ``arch`` (the cluster kernels from sm_90 on), which instantiates it."""
+    names = build.all_name_expressions(arch)
     refs = ",\n".join(f"        (const void*)&{n}" for n in names)
     return (
         build.source() + "\n// Instantiate what CuPy names at run time.\n"
@@ -71,9 +72,9 @@ def nvcc_command(arch, src, out):
 
 
 def _compile(arch, folder):
-    src = Path(folder) / "norms_cuda_all.cu"
+    src = Path(folder) / f"norms_cuda_sm{arch}.cu"
     if not src.exists():
-        src.write_text(instantiation_source())
+        src.write_text(instantiation_source(arch))
     cmd = nvcc_command(arch, src, Path(folder) / f"norms_sm{arch}.cubin")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, check=False)
     return done.returncode, done.stdout + done.stderr
@@ -143,7 +144,6 @@ def parse_report(log):
 def builds():
     """Compile for every architecture (in parallel): ``{arch: (returncode, log)}``."""
     with tempfile.TemporaryDirectory() as folder:
-        Path(folder, "norms_cuda_all.cu").write_text(instantiation_source())
         with ThreadPoolExecutor(len(ARCHS)) as pool:
             results = dict(zip(ARCHS, pool.map(lambda a: _compile(a, folder), ARCHS)))
     if os.environ.get("LNLIB_CUDA_REPORT") == "1":  # make gpu-check logs the table (with -s)
@@ -158,7 +158,7 @@ def test_every_kernel_compiles_without_spills(builds, arch):
     bad = [line for line in log.splitlines() if re.search(r"warning|error", line, re.IGNORECASE)]
     assert not bad, f"sm_{arch}: compiler diagnostics:\n" + "\n".join(bad[:20])
     report = parse_report(log)
-    assert set(report) == set(build.all_name_expressions()), "kernels missing from the report"
+    assert set(report) == set(build.all_name_expressions(arch)), "kernels missing from the report"
     for name, r in report.items():
         assert r.get("spill_stores") == 0 and r.get("spill_loads") == 0, f"{name} spills: {r}"
         assert r.get("stack") == 0, f"{name} uses a stack frame (local memory): {r}"
@@ -242,6 +242,28 @@ def test_launch_shapes_stated_in_the_book():
     assert 16 // build.ITEMSIZE["float32"] == 4 and 16 // build.ITEMSIZE["float16"] == 8
 
 
+def test_long_row_backward_figures_stated_in_the_book():
+    """Chapter 5: the cluster kernel on compute capability 9.0, clusters of 8 blocks of 512
+    threads, rows of up to 65536 elements (32768 float64), 128 KiB of shared memory a block for
+    float32 rows of 65536, 32 clusters on 132 SMs, caps of 512 clusters and 1024 groups; x and
+    dy read once (12 bytes an element, float32) against twice (20) by the two launches of 256
+    threads; the modulated backward takes the two launches."""
+    op = "layer_norm_bwd"
+    assert (build.CLUSTER, build.CLUSTER_R, build.LONG_R) == (8, 512, 256)
+    assert build.backward_path(op, "float32", 65536, 90) == "cluster"
+    assert build.backward_path(op, "float32", 65537, 90) == "long"
+    assert build.backward_path(op, "float64", 32768, 90) == "cluster"
+    assert build.backward_path(op, "float64", 32769, 90) == "long"
+    assert build.backward_path("modulated_layer_norm_bwd", "float32", 20000, 90) == "long"
+    assert build.backward_path(op, "float32", 65536, 80) == "long"
+    assert build.cluster_shared_bytes(op, "float32", 65536) == 128 * 1024
+    assert build.cluster_units(10**6, 65536, 132) == 32
+    assert build.GRID_THREADS["bwd"] // build.CLUSTER_R == 512
+    assert build.GRID_THREADS["bwd"] // build.LONG_R == 1024
+    item = build.ITEMSIZE["float32"]
+    assert 2 * item + item == 12 and 2 * (2 * item) + item == 20  # x, dy (once / twice), dx
+
+
 @pytest.mark.parametrize("op", build.OPS + build.ADD_OPS + build.MOD_OPS)
 def test_long_rows_have_a_long_row_kernel(op):
     """Every module holds its long-row kernel, which covers every row that the largest
@@ -265,6 +287,69 @@ def test_long_rows_have_a_long_row_kernel(op):
             assert 1 <= build.long_units(10**6, d, 132) <= 2 * 132
 
 
+def test_cluster_kernels_compile_for_sm90_only():
+    """The sm_90 long-row backward (thread-block clusters) is in the sm_90 modules only, one per
+    op of build.CLUSTER_OPS and dtype (fused: every combination), and norms.cu compiles it only
+    where ``__CUDA_ARCH__ >= 900`` with the cluster size build.py launches; its launch bounds
+    allow one block an SM (build.CLUSTER_BLOCKS_PER_SM)."""
+    src = build.source()
+    on80, on90 = set(build.all_name_expressions(80)), set(build.all_name_expressions(90))
+    cluster = on90 - on80
+    assert not any("_cluster" in n for n in on80) and on80 < on90
+    want = {
+        build.kernel_name(op + "_cluster", dt, *build.cluster_shape(op, dt, 1)[:2])
+        for op in build.CLUSTER_OPS
+        for dt in (build.FUSED["bwd"] if op.startswith("add_") else sorted(build.TYPE_NAMES))
+    }
+    assert cluster == want, sorted(cluster ^ want)
+    assert f"#define LNLIB_CLUSTER {build.CLUSTER}\n" in src
+    guard = "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
+    first = src.index(guard)
+    assert src.index("#include <cooperative_groups.h>") > first
+    for op in build.CLUSTER_OPS:
+        at = src.index(f"{op}_cluster(")
+        assert src.rfind(guard, 0, at) > src.rfind("#endif", 0, at), f"{op}_cluster unguarded"
+        head = src[src.rfind("template", 0, at) : at]
+        assert f"__launch_bounds__(R, {build.CLUSTER_BLOCKS_PER_SM})" in head, head
+        assert "__cluster_dims__(LNLIB_CLUSTER, 1, 1)" in head, head
+    r, maxv, _s = build.cluster_shape("layer_norm_bwd", "float32", 1)
+    assert r == build.CLUSTER_R and (r, maxv) == build.shapes("layer_norm_bwd", "float32")[-1]
+
+
+@pytest.mark.parametrize("op", build.CLUSTER_OPS + ("modulated_layer_norm_bwd",))
+def test_backward_path_is_chosen_from_d_dtype_and_compute_capability(op):
+    """Where each backward's rows go: one tile, the cluster kernel (compute capability 9.x, a
+    slice of each row within the threads' registers and the shared-memory cap: 65536 elements
+    of 16- and 32-bit types, 32768 of float64), or the two launches (sm_80, longer rows, the
+    modulated backward). No number of rows enters."""
+    fused = build.FUSED["bwd"] if op.startswith("add_") else None
+    for dtype in fused or sorted(build.TYPE_NAMES):
+        layout = build._layout(dtype)
+        top = 32768 if layout == "float64" else 65536
+        one = 4096 if layout == "float64" else 8192
+        for d in (one, one + 1, 20000, 20001, top, top + 1, 2**20):
+            tiles = build.launch_shape(op, dtype, d)[2]
+            got80, got90 = (build.backward_path(op, dtype, d, cc) for cc in (80, 90))
+            assert got80 == ("tile" if tiles == 1 else "long"), (dtype, d, got80)
+            if tiles == 1:
+                assert got90 == "tile" and d == one, (dtype, d)
+            elif op in build.CLUSTER_OPS and d <= top:
+                assert got90 == "cluster", (dtype, d)
+                r, maxv, per_block = build.cluster_shape(op, dtype, d)
+                vec = 16 // build.ITEMSIZE[layout]
+                assert per_block <= r * maxv and build.CLUSTER * per_block * vec >= d
+                assert build.cluster_shared_bytes(op, dtype, d) <= build.CLUSTER_SHARED_CAP
+                assert build.backward_path(op, dtype, d, 100) == "long"  # 9.x only
+            else:
+                assert got90 == "long", (dtype, d, got90)
+    if op == "layer_norm_bwd":
+        assert build.cluster_shared_bytes(op, "float32", 65536) == 128 * 1024
+        assert build.cluster_shared_bytes(op, "float16", 65536) == 64 * 1024
+        assert build.cluster_shared_bytes(op, "float64", 32768) == 128 * 1024
+        assert build.cluster_units(10**6, 65536, 132) == 32  # 2 waves of 16 clusters of 8
+        assert build.cluster_units(5, 65536, 132) == 5
+
+
 def test_column_sum_width_is_the_kernels():
     """The row functions launch param_grad_sum with the columns per block norms.cu assumes."""
     m = re.search(r"#define LNLIB_SUM_COLS (\d+)", build.source())
@@ -285,20 +370,21 @@ def _nvrtc_missing():
 
 
 @pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
-def test_cupy_nvrtc_compiles_every_module_by_name():
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cupy_nvrtc_compiles_every_module_by_name(arch):
     """The run-time path itself, without a GPU: CuPy's option assembly and NVRTC, with the name
-    expressions of every (operation, dtype) module, the fused ones included, for sm_90; every
-    name resolves."""
+    expressions of every (operation, dtype) module, the fused ones included, for sm_80 and
+    sm_90 (with the cluster kernels); every name resolves."""
     from cupy._core import core
     from cupy.cuda import compiler
 
     options = (
         core.assemble_cupy_compiler_options(build.OPTIONS)
         + CUPY_ADDED
-        + ("-arch=sm_90", "--device-as-default-execution-space")
+        + (f"-arch=sm_{arch}", "--device-as-default-execution-space")
     )
     for op, dtype in build.modules():
-        names = build.name_expressions(op, dtype)
+        names = build.name_expressions(op, dtype, arch)
         program = compiler._NVRTCProgram(
             build.source(), "norms.cu", name_expressions=names, method="cubin"
         )
@@ -309,14 +395,14 @@ def test_cupy_nvrtc_compiles_every_module_by_name():
 def resource_table(builds_by_arch):
     """Lines ``kernel  sm_80 registers  sm_90 registers  spills`` for the report."""
     reports = {a: parse_report(log) for a, (_, log) in builds_by_arch.items()}
-    names = build.all_name_expressions()
+    names = build.all_name_expressions(max(ARCHS))
     width = max(len(n) for n in names) + 2
     heads = "".join(f"{'sm_' + a + ' regs':>12}{'spills':>8}" for a in ARCHS)
     lines = [f"{'kernel':<{width}}" + heads]
     for name in names:
         row = f"{name:<{width}}"
         for a in ARCHS:
-            r = reports[a].get(name, {})
+            r = reports[a].get(name, {"registers": "-", "spill_stores": "-", "spill_loads": "-"})
             spills = r.get("spill_stores", "?"), r.get("spill_loads", "?")
             row += f"{r.get('registers', '?'):>12}{'{}/{}'.format(*spills):>8}"
         lines.append(row)
@@ -327,7 +413,6 @@ if __name__ == "__main__":
     if NVCC is None:
         sys.exit("nvcc not found")
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "norms_cuda_all.cu").write_text(instantiation_source())
         with ThreadPoolExecutor(len(ARCHS)) as pool:
             out = dict(zip(ARCHS, pool.map(lambda a: _compile(a, tmp), ARCHS)))
     print("\n".join(resource_table(out)))
@@ -340,11 +425,12 @@ _C_NAME = {"float": "float32", "double": "float64", "__half": "float16"}
 
 
 def kernel_parameters():
-    """``{kernel: (template parameter names, [(C type, is pointer), ...])}`` from norms.cu."""
+    """``{kernel: (template parameter names, [(C type, is pointer, name), ...])}`` from
+    norms.cu."""
     found = {}
     pattern = (
         r"template <([^>]*)>\s*__global__ void __launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*"
-        r"(\w+)\((.*?)\)\s*\{"
+        r"(?:__cluster_dims__\([^()]*\)\s*)?(\w+)\((.*?)\)\s*\{"
     )
     for m in re.finditer(pattern, build.source(), re.S):
         names = [p.split()[-1] for p in m.group(1).split(",")]
@@ -352,8 +438,8 @@ def kernel_parameters():
         for p in m.group(3).split(","):
             p = p.replace("const ", "").strip()
             pointer = "*" in p
-            ctype = p.replace("*", " ").rsplit(None, 1)[0].strip()
-            params.append((ctype, pointer))
+            ctype, pname = p.replace("*", " ").rsplit(None, 1)
+            params.append((ctype.strip(), pointer, pname))
         found[m.group(2)] = (names, params)
     return found
 
@@ -388,11 +474,15 @@ def _fake_cupy(np):
     return fake, wrap(np.asarray)
 
 
-def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
+@pytest.mark.parametrize("cc", [80, 90])
+def test_row_functions_pass_what_each_kernel_declares(monkeypatch, cc):
     """Every launch of the CUDA row functions (fused and unfused, every dtype combination the
     tests of tests/test_gpu_add_norm.py use) passes, position by position, an argument of the
     dtype the kernel declares (a null pointer where a pointer may be absent), and names a
-    kernel of its module; run with a stand-in for CuPy, so a wrong order fails here."""
+    kernel of its module for the device's compute capability ``cc``; run with a stand-in for
+    CuPy, so a wrong order fails here. Long rows on sm_90 take the cluster kernel: whole
+    clusters, blocks of CLUSTER_R threads, the dynamic shared memory build.py gives, opted into
+    before the launch, and (units, D) partial buffers, one row per cluster."""
     import numpy as np
 
     from lnlib._cuda import cuda_kernel as ck
@@ -403,15 +493,34 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
 
     def function(op, dtype, r, maxv):
         name = build.kernel_name(op, dtype, r, maxv)
-        assert name in build.name_expressions(op.removesuffix("_long"), dtype), name
+        base = op.removesuffix("_long").removesuffix("_cluster")
+        assert name in build.name_expressions(base, dtype, cc), (name, cc)
         names, params = declared[op]
         binding = dict(zip(names, (a.strip() for a in name[len(op) + 1 : -1].split(","))))
 
-        def launch(grid, block, args, shared_mem=0):
+        class Kernel:  # the CUfunction's attribute starts at CUDA's default, 48 KiB
+            max_dynamic_shared_size_bytes = 48 * 1024
+
+            def __call__(self, grid, block, args, shared_mem=0):
+                launch(self, grid, block, args, shared_mem)
+
+        def launch(kernel, grid, block, args, shared_mem):
             assert len(args) == len(params), (name, len(args), len(params))
-            assert shared_mem == 0 or op.endswith("_long"), (name, shared_mem)
-            assert shared_mem <= 100 * 1024, (name, shared_mem)
-            for i, (a, (ctype, pointer)) in enumerate(zip(args, params)):
+            assert shared_mem == 0 or op.endswith("_cluster"), (name, shared_mem)
+            if op.endswith("_cluster"):
+                m, d = int(args[-3]), int(args[-2])
+                assert cc // 10 in build.CLUSTER_MAJORS and base in build.CLUSTER_OPS, name
+                assert build.backward_path(base, dtype, d, cc) == "cluster", (name, d)
+                assert block == (build.CLUSTER_R,) and len(grid) == 1, (name, grid, block)
+                assert grid[0] % build.CLUSTER == 0, (name, grid)
+                units = grid[0] // build.CLUSTER
+                assert units == build.cluster_units(m, d, 132) <= m, (name, grid, m)
+                assert shared_mem == build.cluster_shared_bytes(base, dtype, d), (name, shared_mem)
+                assert shared_mem <= kernel.max_dynamic_shared_size_bytes, (name, shared_mem)
+                assert shared_mem <= build.CLUSTER_SHARED_CAP, (name, shared_mem)
+                parts = [a for a, p in zip(args, params) if p[2].endswith("_part")]
+                assert parts and all(p.shape == (units, d) for p in parts), (name, units)
+            for i, (a, (ctype, pointer, _pname)) in enumerate(zip(args, params)):
                 if pointer and isinstance(a, np.uintp):
                     assert a == 0, (name, i)
                     continue
@@ -433,7 +542,7 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
                 assert blocks <= m // mods or not op.endswith("_long"), (name, blocks, m)
             launched.append(op)
 
-        return launch
+        return Kernel()
 
     monkeypatch.setattr(build, "function", function)
 
@@ -453,6 +562,7 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
 
     monkeypatch.setattr(build, "module", lambda op, dtype: SumModule())
     monkeypatch.setattr(ck, "_sm_count", lambda: 132)
+    monkeypatch.setattr(ck, "_compute_capability", lambda: cc)
     rng = np.random.default_rng(0)
     combos = [
         ("float32",) * 3,
@@ -481,4 +591,8 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch):
             grads = ck.modulated_layer_norm_backward_rows(dy, x, mean, rstd, weight, group, mods)
             assert [g.shape for g in grads] == [(m, d), (mods, d), (mods, d)]
     ops = build.OPS + build.ADD_OPS + build.MOD_OPS
-    assert set(launched) == set(ops + tuple(op + "_long" for op in ops))
+    want = ops + tuple(op + "_long" for op in ops)
+    if cc >= 90:  # d = 20000: the cluster kernel, but for the modulated backward (and float64
+        want += tuple(op + "_cluster" for op in build.CLUSTER_OPS)  # too: 20000 <= 32768)
+        want = tuple(k for k in want if k.startswith("modulated") or not k.endswith("bwd_long"))
+    assert set(launched) == set(want), sorted(set(launched) ^ set(want))

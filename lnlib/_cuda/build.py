@@ -8,12 +8,16 @@ every launch shape it may need, compiled once per process on first use and cache
 CuPy. ``import lnlib`` and this module import no CuPy; only :func:`module` does.
 
 The launch shape (threads per row ``R`` and 16-byte vectors per thread ``MAXV``) is chosen from
-the row length and the dtype alone (:func:`launch_shape`), never from the number of rows, so a
-row's reduction order, and therefore its result, does not depend on the batch.
+the row length and the dtype alone (:func:`launch_shape`), and the backward's kernel for rows
+longer than one tile from those and the GPU's compute capability (:func:`backward_path`: the
+cluster kernel of sm_90 or the two-launch kernel), never from the number of rows, so a row's
+reduction order, and therefore its result, does not depend on the batch. The modules of a GPU
+of compute capability 9.0 or later also hold the cluster kernels (:func:`name_expressions`).
 
 Derived in the book, chapter "Implementation", section "GPU kernels".
 """
 
+import functools
 import threading
 from pathlib import Path
 
@@ -84,6 +88,31 @@ LONG_ROW_PARTIAL = 1 << 24
 #: it depends on the number of rows.
 LONG_R = 256
 LONG_BLOCKS_PER_SM = 2
+#: The long-row backward of compute capability 9.x (H100, H200: thread-block clusters and 227 KiB
+#: of shared memory a block), the ``*_bwd_cluster`` kernels of norms.cu, which read x and dy once:
+#: a cluster of CLUSTER blocks (norms.cu LNLIB_CLUSTER, compile-time ``__cluster_dims__``) of
+#: CLUSTER_R threads takes a row at a time, each block staging its slice of the row (S =
+#: ceil(chunks / CLUSTER) chunks) in shared memory, two rows deep (:func:`cluster_shared_bytes`);
+#: each thread keeps the partial parameter gradients of its at most MAXV chunks in registers, so
+#: rows of up to CLUSTER * CLUSTER_R * MAXV chunks take it (65536 elements of 16- and 32-bit
+#: types, 32768 of float64; :func:`backward_path`). CLUSTER_BLOCKS_PER_SM (one: ``__launch_bounds__
+#: (R, 1)``) blocks an SM, CLUSTER_WAVES times as many clusters as the SMs hold at once
+#: (:func:`cluster_units`), CLUSTER_MAJORS the compute capabilities (major) that take it, read at
+#: every launch (tests set it to () to run the two-launch kernel on an H100 or H200), and
+#: CLUSTER_SHARED_CAP the dynamic shared memory a block may take (227 KiB, the opt-in limit of
+#: sm_90, less 1 KiB for the kernel's static shared memory). The modulated backward always takes
+#: the two-launch kernel.
+CLUSTER = 8
+CLUSTER_R = 512
+CLUSTER_BLOCKS_PER_SM = 1
+CLUSTER_WAVES = 2
+CLUSTER_MAJORS = (9,)
+CLUSTER_SHARED_CAP = 227 * 1024 - 1024
+#: The backward ops with a cluster kernel (``op + "_cluster"``).
+CLUSTER_OPS = ("layer_norm_bwd", "rms_norm_bwd", "add_layer_norm_bwd", "add_rms_norm_bwd")
+#: The oldest compute capability whose modules hold the cluster kernels (norms.cu compiles them
+#: only where ``__CUDA_ARCH__ >= 900``).
+CLUSTER_ARCH = 90
 #: The long-row forward (rows longer than one tile of the largest forward shape, the
 #: ``*_fwd_long`` kernels): a block of LONG_FWD_R threads per row, two blocks resident on each
 #: SM (``__launch_bounds__(R, 2)``: at most 64 registers a thread), tiles of LONG_FWD_R * MAXV
@@ -92,9 +121,10 @@ LONG_FWD_R = 512
 #: Columns a block of the second-stage parameter-gradient sum adds (norms.cu LNLIB_SUM_COLS),
 #: with 32 lanes each: blocks of 32 * SUM_COLUMNS threads.
 SUM_COLUMNS = 8
-#: SM count assumed where no device is asked (the CPU model of the kernels in the tests): an
-#: H100 or H200.
+#: SM count and compute capability assumed where no device is asked (the CPU model of the
+#: kernels in the tests): an H100 or H200.
 DEFAULT_SMS = 132
+DEFAULT_CC = 90
 
 _lock = threading.Lock()
 _modules = {}
@@ -176,6 +206,56 @@ def long_units(m, d, sms=None):
     return max(1, min(m, LONG_BLOCKS_PER_SM * sms, cap, max(1, LONG_ROW_PARTIAL // d)))
 
 
+def cluster_shape(op, dtype, d):
+    """``(R, MAXV, S)`` of the cluster kernel ``op + "_cluster"`` for rows of ``d`` elements:
+    CLUSTER_R threads a block, the largest backward shape's vectors per thread, and S chunks (V
+    elements of h's dtype) a block of the cluster stages, ``ceil(chunks / CLUSTER)``."""
+    vec = 16 // ITEMSIZE[_layout(dtype)]
+    chunks = -(-d // vec)
+    return CLUSTER_R, shapes(op, dtype)[-1][1], -(-chunks // CLUSTER)
+
+
+def cluster_shared_bytes(op, dtype, d):
+    """Dynamic shared memory a block of the cluster kernel takes for rows of ``d`` elements: two
+    rows (the one it works on and the next, in flight) of its S chunks of x (h) and of dy, each
+    chunk V elements of its own dtype (norms.cu, norm_bwd_cluster)."""
+    names = _dtype_names(dtype)
+    vec = 16 // ITEMSIZE[names[-1]]
+    dy, x = (names[0], names[-1]) if len(names) > 1 else (names[0], names[0])
+    return 2 * cluster_shape(op, dtype, d)[2] * vec * (ITEMSIZE[dy] + ITEMSIZE[x])
+
+
+def backward_path(op, dtype, d, cc):
+    """Which kernel a backward takes for rows of ``d`` elements on a GPU of compute capability
+    ``cc`` (e.g. 90): ``"tile"`` (one tile, ``op``), ``"cluster"`` (``op + "_cluster"``: compute
+    capability in CLUSTER_MAJORS, an op of CLUSTER_OPS, and the row's slices within the threads'
+    registers and CLUSTER_SHARED_CAP) or ``"long"`` (the two launches of ``op + "_long"``). From
+    ``d``, the dtype and ``cc`` alone, never from the number of rows: every row of one ``d``
+    takes the same path on one GPU, so its sums are added in the same order."""
+    if launch_shape(op, dtype, d)[2] == 1:
+        return "tile"
+    r, maxv, slice_chunks = cluster_shape(op, dtype, d)
+    fits = slice_chunks <= r * maxv and cluster_shared_bytes(op, dtype, d) <= CLUSTER_SHARED_CAP
+    if op in CLUSTER_OPS and cc // 10 in CLUSTER_MAJORS and cc >= CLUSTER_ARCH and fits:
+        return "cluster"
+    return "long"
+
+
+def cluster_units(m, d, sms=None):
+    """Clusters (units) of the cluster kernel for ``m`` rows of ``d`` elements on a GPU of
+    ``sms`` SMs: CLUSTER_WAVES times the clusters of CLUSTER_BLOCKS_PER_SM blocks an SM that
+    whole clusters fill (32 on 132 SMs: 256 blocks, about twice the SM count), at most one per
+    row, within GRID_THREADS["bwd"] // CLUSTER_R (the test hook) and LONG_ROW_PARTIAL. A
+    cluster's blocks must share a GPC, and how many clusters of 8 an H100 holds at once depends
+    on how its SMs are spread over its GPCs (not measured here): with two waves, a GPU that holds
+    one cluster fewer than ``sms // CLUSTER`` loses less to the last wave than with one. Depends
+    on the GPU's SM count, as the two-launch kernel's units do."""
+    sms = DEFAULT_SMS if sms is None else sms
+    resident = max(1, sms // CLUSTER * CLUSTER_BLOCKS_PER_SM) * CLUSTER_WAVES
+    cap = max(1, GRID_THREADS["bwd"] // CLUSTER_R)
+    return max(1, min(m, resident, cap, max(1, LONG_ROW_PARTIAL // d)))
+
+
 def kernel_name(op, dtype, r, maxv):
     """The NVRTC name expression of one instantiation, e.g. ``layer_norm_fwd<float, 32, 1>``
     or ``add_layer_norm_fwd<__half, float, float, 32, 1>``."""
@@ -193,11 +273,15 @@ def fused(op, dtype):
     return tuple(_dtype_names(dtype)) in FUSED[op[-3:]]
 
 
-def name_expressions(op, dtype):
-    """Every kernel of the module for ``(op, dtype)``."""
+def name_expressions(op, dtype, arch=CLUSTER_ARCH):
+    """Every kernel of the module for ``(op, dtype)`` compiled for compute capability ``arch``
+    (the cluster kernel from CLUSTER_ARCH on)."""
     names = [kernel_name(op, dtype, r, v) for r, v in shapes(op, dtype)]
     r, maxv, _tiles = long_shape(op, dtype, 1)
     names.append(kernel_name(op + "_long", dtype, r, maxv))
+    if op in CLUSTER_OPS and int(arch) >= CLUSTER_ARCH:
+        r, maxv, _slice = cluster_shape(op, dtype, 1)
+        names.append(kernel_name(op + "_cluster", dtype, r, maxv))
     if op.endswith("bwd"):
         names.append(sum_name(dtype))
     return names
@@ -209,17 +293,35 @@ def modules():
     return plain + [(op, dts) for op in ADD_OPS for dts in FUSED[op[-3:]]]
 
 
-def all_name_expressions():
-    """Every kernel lnlib can launch, for every dtype, once (the compile test builds them all)."""
-    names = [n for op, dt in modules() for n in name_expressions(op, dt)]
+def all_name_expressions(arch=CLUSTER_ARCH):
+    """Every kernel lnlib can launch on compute capability ``arch``, for every dtype, once (the
+    compile test builds them all)."""
+    names = [n for op, dt in modules() for n in name_expressions(op, dt, arch)]
     return list(dict.fromkeys(names))
 
 
+@functools.cache
+def _arch_of(device):
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability)
+
+
+def device_arch():
+    """The compute capability of CuPy's current device, as an int (e.g. 90), asked once per
+    device."""
+    import cupy
+
+    return _arch_of(cupy.cuda.runtime.getDevice())
+
+
 def module(op, dtype):
-    """The compiled ``cupy.RawModule`` for ``(op, dtype)``: built once per process, then reused.
-    ``dtype`` is a tuple of dtypes for a fused op (see :data:`FUSED`)."""
+    """The compiled ``cupy.RawModule`` for ``(op, dtype)`` on the current device's compute
+    capability: built once per process, then reused. ``dtype`` is a tuple of dtypes for a fused
+    op (see :data:`FUSED`)."""
     names = _dtype_names(dtype)
-    key = (op, names if isinstance(dtype, tuple) else names[0])
+    arch = device_arch()
+    key = (op, names if isinstance(dtype, tuple) else names[0], arch)
     with _lock:
         if key not in _modules:
             import cupy
@@ -232,8 +334,9 @@ def module(op, dtype):
 
 def function(op, dtype, r, maxv):
     """The kernel ``op`` for ``dtype`` with launch shape ``(r, maxv)`` (``op`` ending in
-    ``_bwd_long``: the long-row backward, in the module of its backward)."""
-    return module(op.removesuffix("_long"), dtype).get_function(kernel_name(op, dtype, r, maxv))
+    ``_bwd_long`` or ``_bwd_cluster``: a long-row backward, in the module of its backward)."""
+    base = op.removesuffix("_long").removesuffix("_cluster")
+    return module(base, dtype).get_function(kernel_name(op, dtype, r, maxv))
 
 
 def block_threads(r):

@@ -152,12 +152,18 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()
     acc = _acc(dx.dtype)
     runs = mod[1] if mod else 1
     r, maxv, tiles = build.launch_shape(op, dtype, d)
-    long_rows = tiles > 1  # the long-row kernel, with its own shape and units
-    sms = _sm_count() if long_rows else None
-    # each run takes m / runs rows: about the blocks of the whole grid shared out, at least one
-    blocks = -(-build.grid("bwd", m, r, d, tiles, sms) // runs)
-    blocks = min(blocks, build.grid("bwd", m // runs, r, d, tiles, sms))
-    units = runs * min(m // runs, blocks * (build.block_threads(r) // r))
+    # rows of several tiles: the cluster kernel (compute capability 9.x, rows that fit) or the
+    # two-launch kernel, each with its own shape and units (build.backward_path: from d, the
+    # dtype and the compute capability only)
+    path = "tile" if tiles == 1 else build.backward_path(op, dtype, d, _compute_capability())
+    sms = _sm_count() if tiles > 1 else None
+    if path == "cluster":  # never a modulated op (build.CLUSTER_OPS): one run
+        units = blocks = build.cluster_units(m, d, sms)
+    else:
+        # each run takes m / runs rows: about the blocks of the whole grid shared out, at least 1
+        blocks = -(-build.grid("bwd", m, r, d, tiles, sms) // runs)
+        blocks = min(blocks, build.grid("bwd", m // runs, r, d, tiles, sms))
+        units = runs * min(m // runs, blocks * (build.block_threads(r) // r))
     dw_part = cupy.empty((units, d), dtype=acc)
     db_part = cupy.empty((units, d), dtype=acc) if with_bias else None
     stats = tuple(cupy.ascontiguousarray(s, dtype=acc) for s in stats)
@@ -175,7 +181,14 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()
         _vec_ok(d, dx.dtype, *arrays),
         *(np.int64(v) for v in mod),
     )
-    if long_rows:  # norm_bwd_long: the rows' two means into c, then dx and the partial sums
+    if path == "cluster":  # norm_bwd_cluster: x and dy read once, by clusters of blocks
+        r, maxv, _slice = build.cluster_shape(op, dtype, d)
+        fn = build.function(op + "_cluster", dtype, r, maxv)
+        shared = build.cluster_shared_bytes(op, dtype, d)
+        if fn.max_dynamic_shared_size_bytes < shared:  # the opt-in above the 48 KiB default
+            fn.max_dynamic_shared_size_bytes = shared
+        fn((units * build.CLUSTER,), (r,), args, shared_mem=shared)
+    elif path == "long":  # norm_bwd_long: the rows' two means into c, then dx and partial sums
         r, maxv, tiles = build.long_shape(op, dtype, d)
         fn, c = build.function(op + "_long", dtype, r, maxv), cupy.empty(2 * m, dtype=acc)
         fn((build.grid("fwd", m, r),), (r,), (*args, c, np.int32(0)))
@@ -196,8 +209,20 @@ def _device_sm_count(device):
 
 def _sm_count():
     """The SM count of the current device: the long-row backward launches LONG_BLOCKS_PER_SM
-    units an SM (build.long_units)."""
+    units an SM (build.long_units), the cluster kernel CLUSTER_BLOCKS_PER_SM blocks an SM
+    (build.cluster_units)."""
     return _device_sm_count(sys.modules["cupy"].cuda.runtime.getDevice())
+
+
+@functools.cache
+def _device_compute_capability(device):
+    return int(sys.modules["cupy"].cuda.Device(device).compute_capability)
+
+
+def _compute_capability():
+    """The compute capability of the current device (e.g. 90): long rows take the cluster
+    kernel on 9.x (build.backward_path)."""
+    return _device_compute_capability(sys.modules["cupy"].cuda.runtime.getDevice())
 
 
 def _no_rows(out, dx, d, acc, with_bias):

@@ -7,9 +7,17 @@
 //
 // A row that fits in one tile (d <= R * MAXV * V) is read once into registers and written
 // once. Longer rows are processed tile by tile: the forward (*_fwd_long, 512 threads a row, two
-// blocks an SM) reads them a second time to write the result; the backward (norm_bwd_long)
-// forms the rows' sums in one launch and dx and the parameter gradients by tiles of columns in
-// a second, reading the rows twice.
+// blocks an SM) reads them a second time to write the result. The backward of longer rows:
+// - on compute capability 9.x (H100, H200), for rows of up to 65536 elements (32768 float64;
+//   LayerNorm, RMSNorm and their fused residual add): norm_bwd_cluster, a cluster of 8 blocks
+//   per row, each staging its slice of x and dy in shared memory, the row's two sums exchanged
+//   through distributed shared memory; x and dy read once (12 bytes an element for float32);
+// - otherwise (sm_80, longer rows, the modulated backward): norm_bwd_long, which forms the
+//   rows' sums in one launch and dx and the parameter gradients by tiles of columns in a
+//   second, reading the rows twice.
+// lnlib/_cuda/build.py (backward_path) picks the path from d, the dtype and the compute
+// capability alone. None of these kernels has run on a GPU yet: they are checked by
+// compilation (tests/test_cuda_compile.py) and by the launch checks without a GPU.
 //
 // Row arguments: x points at row 0, ldx is the distance between rows in elements. vec_ok says
 // that every row pointer is aligned to a vector (16 bytes of the layout's type; V elements of
@@ -534,6 +542,192 @@ __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, cons
     }
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#include <cooperative_groups.h>
+
+// Blocks in a cluster of the sm_90 long-row backward (lnlib/_cuda/build.py, CLUSTER).
+#define LNLIB_CLUSTER 8
+
+// Backward of long rows on sm_90 (H100, H200), in one launch that reads x and dy once: a
+// thread-block cluster of LNLIB_CLUSTER blocks (compile-time __cluster_dims__) takes a row at a
+// time, block `rank` of the cluster owning the row's chunks rank * S .. rank * S + S - 1 (S =
+// ceil(chunks / LNLIB_CLUSTER)), thread t of it the chunks rank * S + s * R + t (s < MAXV).
+// For each of its rows (cluster u = blockIdx.x / LNLIB_CLUSTER takes rows u, u + units, ...,
+// units = gridDim.x / LNLIB_CLUSTER) a block
+// - copies its chunks of x and dy (h for the fused add) into its shared memory (dynamic: two
+//   buffers of S chunks each of x and dy), by cp.async where the row is aligned, the next row's
+//   copies issued before this row's work so that they are in flight during its barriers; each
+//   thread reads back only the chunks it copied, so no barrier guards the buffers;
+// - forms its sums of g and g * xhat (thread: slots s, then elements j, in order; then the
+//   fixed trees of row_sum over the block's R threads), puts them in its shared memory, and
+//   after a cluster barrier every warp of every block reads the LNLIB_CLUSTER blocks' sums
+//   through distributed shared memory and adds them in rank order 0, 1, ..., so every block
+//   has bitwise the same row sums;
+// - writes dx from the staged chunks and adds dy * xhat and dy to the partial sums of its
+//   columns, kept in registers over all the cluster's rows and written once to row u of
+//   dw_part and db_part (units, d), which param_grad_sum adds as for the other kernels.
+// x and dy are read once, dx written once: 12 bytes an element for float32 (plus dh for the
+// fused add). The row sums are added in another order than norm_bwd's (by blocks of the
+// cluster, then ranks), fixed by d alone: every row of one d takes this path on a GPU of
+// compute capability 9.x where d fits (build.backward_path), whatever the number of rows.
+// The partial sums of the rows' two sums go through two slots (row parity): a block writes a
+// slot again two rows later, after the next row's cluster barrier, which every block reaches
+// only after it has read the slot.
+template <int B> __device__ __forceinline__ void copy_async(void* dst, const void* src) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    if constexpr (B == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(B)
+                     : "memory");
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void copy_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Chunk c of a row (V elements of T) into *dst in shared memory: one cp.async where the row is
+// aligned and the chunk whole, else element by element (zeros past the row), the same bits.
+template <typename T, int V>
+__device__ __forceinline__ void stage_chunk(typename lnlib::Raw<V * sizeof(T)>::type* dst,
+                                            const T* row, long long c, int d, bool vec_ok) {
+    typedef typename lnlib::Raw<V * sizeof(T)>::type W;
+    const long long i0 = c * V;
+    if (vec_ok && i0 + V <= d) {
+        copy_async<sizeof(W)>(dst, reinterpret_cast<const W*>(row) + c);
+        return;
+    }
+    unsigned int w[sizeof(W) / 4] = {};
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const bool in = i0 + j < d;
+        lnlib::Bits<T>::put(w, j, in ? row[i0 + j] : lnlib::Out<T>::of(typename Acc<T>::type(0)));
+    }
+    W raw;
+    lnlib::from_words(w, raw);
+    *dst = raw;
+}
+
+template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, typename A>
+__device__ __forceinline__ void norm_bwd_cluster(const TY* dy, long long lddy, const T* x,
+                                                 long long ldx, const T* dh, long long lddh,
+                                                 const A* mean, const A* rstd, const A* weight,
+                                                 T* dx, long long lddx, A* dw_part, A* db_part,
+                                                 long long m, int d, int vec_ok) {
+    namespace cg = cooperative_groups;
+    typedef typename lnlib::Raw<Vec<T>::n * sizeof(T)>::type WX;
+    typedef typename lnlib::Raw<Vec<T>::n * sizeof(TY)>::type WY;
+    const int V = Vec<T>::n, C = LNLIB_CLUSTER, t = threadIdx.x, lane = threadIdx.x % 32;
+    const cg::cluster_group cluster = cg::this_cluster();
+    const int rank = (int)cluster.block_rank();
+    const long long units = gridDim.x / C, u = blockIdx.x / C;
+    const int chunks = d / V + (d % V != 0);
+    const int slice = chunks / C + (chunks % C != 0);
+    const int c0 = rank * slice, own = max(0, min(slice, chunks - c0));
+    extern __shared__ __align__(16) unsigned char lnlib_staged[];
+    WX* xs = reinterpret_cast<WX*>(lnlib_staged);  // [2][slice]: x, two rows
+    WY* dys = reinterpret_cast<WY*>(xs + 2 * slice);  // [2][slice]: dy
+    __shared__ A shs[2 * (R / 32)];
+    __shared__ A part[2][2];  // this block's two sums, for rows of either parity
+    A pw[MAXV][V], pb[MAXV][V];
+#pragma unroll
+    for (int s = 0; s < MAXV; ++s)
+#pragma unroll
+        for (int j = 0; j < V; ++j) pw[s][j] = pb[s][j] = A(0);
+    auto stage = [&](long long row, int buf) {
+#pragma unroll
+        for (int s = 0; s < MAXV; ++s) {
+            const int q = s * R + t;
+            if (q < own) {
+                stage_chunk<T, V>(xs + buf * slice + q, x + row * ldx, c0 + q, d, vec_ok);
+                stage_chunk<TY, V>(dys + buf * slice + q, dy + row * lddy, c0 + q, d, vec_ok);
+            }
+        }
+        copy_commit();
+    };
+    if (u < m) stage(u, 0);
+    int buf = 0;
+    for (long long row = u; row < m; row += units, buf ^= 1) {
+        if (row + units < m) stage(row + units, buf ^ 1);
+        else copy_commit();  // an empty group: the wait below is the same
+        copy_wait<1>();      // this row's chunks are in
+        const A mu = CENTER ? mean[row] : A(0), rs = rstd[row];
+        A sums[2] = {A(0), A(0)};  // sum of g, sum of g * xhat
+#pragma unroll
+        for (int s = 0; s < MAXV; ++s) {
+            const int q = s * R + t;
+            if (q >= own) continue;
+            const WX xr = xs[buf * slice + q];
+            const WY yr = dys[buf * slice + q];
+            const long long i0 = (long long)(c0 + q) * V;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const A dy1 = elem<TY>(yr, j), xh = (elem<T>(xr, j) - mu) * rs;
+                const A g = weight ? dy1 * __ldg(weight + (i0 + j < d ? i0 + j : 0)) : dy1;
+                sums[0] += g;  // elements past the row add zeros
+                sums[1] += g * xh;
+            }
+        }
+        lnlib::row_sum<R, 2>(sums, shs);
+        if (t == 0) part[buf][0] = sums[0], part[buf][1] = sums[1];
+        cluster.sync();
+        A p[2] = {A(0), A(0)};
+        if (lane < C) {
+            const A* theirs = cluster.map_shared_rank(&part[buf][0], lane);
+            p[0] = theirs[0], p[1] = theirs[1];
+        }
+        A total[2] = {A(0), A(0)};
+#pragma unroll
+        for (int r = 0; r < C; ++r)  // rank order, in every warp of every block
+#pragma unroll
+            for (int i = 0; i < 2; ++i) total[i] += __shfl_sync(0xffffffffu, p[i], r);
+        const A c1 = CENTER ? total[0] / A(d) : A(0), c2 = total[1] / A(d);
+#pragma unroll
+        for (int s = 0; s < MAXV; ++s) {
+            const int q = s * R + t;
+            if (q >= own) continue;
+            const WX xr = xs[buf * slice + q];
+            const WY yr = dys[buf * slice + q];
+            const long long c = c0 + q, i0 = c * V;
+            const int n = d - i0 < V ? (int)(d - i0) : V;
+            A out[V];
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const A dy1 = elem<TY>(yr, j), xh = (elem<T>(xr, j) - mu) * rs;
+                const A g = weight ? dy1 * __ldg(weight + (j < n ? i0 + j : 0)) : dy1;
+                out[j] = rs * (g - c1 - xh * c2);
+                pw[s][j] += dy1 * xh;  // elements past the row add zeros
+                if (CENTER) pb[s][j] += dy1;
+            }
+            if constexpr (ADD) {
+                if (dh) {
+                    A dhv[V];
+                    lnlib::load_elems<T, V, true>(dh + row * lddh, c, d, vec_ok, dhv);
+#pragma unroll
+                    for (int j = 0; j < V; ++j) out[j] = lnlib::rounded<T>(out[j]) + dhv[j];
+                }
+            }
+            lnlib::store_chunk(dx + row * lddx, c, n, vec_ok, out);
+        }
+    }
+    cluster.sync();  // no block leaves while another may still read its sums
+    if (u >= m) return;
+#pragma unroll
+    for (int s = 0; s < MAXV; ++s) {
+        const int q = s * R + t;
+        if (q >= own) continue;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const long long i = (long long)(c0 + q) * V + j;
+            if (i < d) {
+                dw_part[u * d + i] = pw[s][j];
+                if (CENTER) db_part[u * d + i] = pb[s][j];
+            }
+        }
+    }
+}
+#endif
+
 // Second stage of the parameter gradients: out[col] = sum over u of part[u, col], for units
 // u = 0 .. units-1. Thread (tx, ty) of a block of 8 columns by 32 lanes adds the units ty,
 // ty + 32, ... of column blockIdx.x * 8 + tx in order; the 32 lanes' sums are then added by a
@@ -751,6 +945,61 @@ add_rms_norm_bwd_long(const TY* dy, long long lddy, const TH* dh, long long lddh
                                                 weight, dsum, ldds, dw_part, (A*)0, m, d,
                                                 vec_ok, c, phase);
 }
+
+// The long-row backward of sm_90 (norm_bwd_cluster) of each unfused and fused backward above:
+// blocks of R threads, clusters of LNLIB_CLUSTER blocks, one block an SM (at most 128
+// registers a thread), and the staged rows in dynamic shared memory (lnlib/_cuda/build.py,
+// cluster_shared_bytes). Compiled for compute capability 9.0 and later only.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(R, 1) __cluster_dims__(LNLIB_CLUSTER, 1, 1)
+layer_norm_bwd_cluster(const T* dy, long long lddy, const T* x, long long ldx,
+                       const typename Acc<T>::type* mean, const typename Acc<T>::type* rstd,
+                       const typename Acc<T>::type* weight, T* dx, long long lddx,
+                       typename Acc<T>::type* dw_part, typename Acc<T>::type* db_part,
+                       long long m, int d, int vec_ok) {
+    norm_bwd_cluster<T, T, R, MAXV, true, false>(dy, lddy, x, ldx, (const T*)0, 0, mean, rstd,
+                                                 weight, dx, lddx, dw_part, db_part, m, d,
+                                                 vec_ok);
+}
+
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(R, 1) __cluster_dims__(LNLIB_CLUSTER, 1, 1)
+rms_norm_bwd_cluster(const T* dy, long long lddy, const T* x, long long ldx,
+                     const typename Acc<T>::type* rstd, const typename Acc<T>::type* weight,
+                     T* dx, long long lddx, typename Acc<T>::type* dw_part, long long m, int d,
+                     int vec_ok) {
+    typedef typename Acc<T>::type A;
+    norm_bwd_cluster<T, T, R, MAXV, false, false>(dy, lddy, x, ldx, (const T*)0, 0, (const A*)0,
+                                                  rstd, weight, dx, lddx, dw_part, (A*)0, m, d,
+                                                  vec_ok);
+}
+
+template <typename TY, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(R, 1) __cluster_dims__(LNLIB_CLUSTER, 1, 1)
+add_layer_norm_bwd_cluster(const TY* dy, long long lddy, const TH* dh, long long lddh,
+                           const TH* h, long long ldh, const typename Acc<TH>::type* mean,
+                           const typename Acc<TH>::type* rstd,
+                           const typename Acc<TH>::type* weight, TH* dsum, long long ldds,
+                           typename Acc<TH>::type* dw_part, typename Acc<TH>::type* db_part,
+                           long long m, int d, int vec_ok) {
+    norm_bwd_cluster<TY, TH, R, MAXV, true, true>(dy, lddy, h, ldh, dh, lddh, mean, rstd,
+                                                  weight, dsum, ldds, dw_part, db_part, m, d,
+                                                  vec_ok);
+}
+
+template <typename TY, typename TH, int R, int MAXV>
+__global__ void __launch_bounds__(R, 1) __cluster_dims__(LNLIB_CLUSTER, 1, 1)
+add_rms_norm_bwd_cluster(const TY* dy, long long lddy, const TH* dh, long long lddh,
+                         const TH* h, long long ldh, const typename Acc<TH>::type* rstd,
+                         const typename Acc<TH>::type* weight, TH* dsum, long long ldds,
+                         typename Acc<TH>::type* dw_part, long long m, int d, int vec_ok) {
+    typedef typename Acc<TH>::type A;
+    norm_bwd_cluster<TY, TH, R, MAXV, false, true>(dy, lddy, h, ldh, dh, lddh, (const A*)0, rstd,
+                                                   weight, dsum, ldds, dw_part, (A*)0, m, d,
+                                                   vec_ok);
+}
+#endif
 
 // AdaLN and GroupNorm: LayerNorm whose weight and bias (mods, d) change with the row, row i
 // taking their row (i / group) % mods (MOD in norm_fwd; ModRows in the backward, whose grid is
