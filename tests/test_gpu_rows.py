@@ -1,9 +1,11 @@
 """lnlib's CUDA row functions where the other GPU tests do not reach: parameter gradients
 accumulated over many rows per unit (the partial sums that one-tile rows keep in registers, and
-those of long rows, kept in registers tile by tile of columns after a launch that forms the
-rows' sums), one-tile float16/bfloat16 rows in blocks of 512
-threads, which load each unit's next row early, grid-stride loops of many passes, and bfloat16
-forward and backward at several row lengths.
+those of long rows: on compute capability 9.x, in the registers of the clusters of the cluster
+kernel, which read each row once; elsewhere, in registers tile by tile of columns after a
+launch that forms the rows' sums), one-tile float16/bfloat16 rows in blocks of 512
+threads, which load each unit's next row early, grid-stride loops of many passes, bfloat16
+forward and backward at several row lengths, and long rows' dx bitwise the same in a batch of
+one row and of many, by either long-row kernel.
 
 Each check runs on the CUDA kernels (marker ``gpu``: skipped with the reason where CuPy or a GPU
 is missing, failing instead under ``LNLIB_REQUIRE_GPU=1``; ``make gpu-check`` runs them) and,
@@ -22,6 +24,7 @@ installed, which the GPU machine may lack. Where CuPy holds them, the bfloat16 d
 to give the same bits.
 """
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,6 +112,7 @@ FLAWS = (
     "overwrites its partial sums instead of adding (long rows)",
     "leaves the last unit out of the column sum",
     "keeps the partial sums in the data's dtype",
+    "adds the cluster's block sums in reverse rank order",
 )
 
 
@@ -121,8 +125,9 @@ class KernelModel(_Rows):
     :func:`geometry` (``lnlib._cuda.build``, so the hook on ``GRID_THREADS`` moves it too), unit
     ``u`` adding rows ``u, u + units, u + 2 units, ...`` in that order, then the units added as
     ``param_grad_sum`` does (32 lanes, lane ``l`` adding units ``l, l + 32, ...``, then a tree).
-    The long-row kernel's units add the same values in the same order, tile by tile of
-    columns, so one model covers both.
+    The long-row kernels' units (tile by tile of columns, or a cluster's blocks each its own
+    columns) add the same values in the same order, so one model covers them all, with the
+    units of the path :func:`geometry` gives.
     ``flaw`` (one of :data:`FLAWS`) makes it wrong on purpose.
     """
 
@@ -173,10 +178,15 @@ class KernelModel(_Rows):
         mean = np.zeros(m, acc) if mean is None else mean
         xh = (xa - mean[:, None]) * rstd[:, None]  # (M, D)
         g = dya if weight is None else dya * weight  # (M, D)
-        c1 = g.sum(axis=1) / acc.type(d) if norm == "layer_norm" else np.zeros(m, acc)  # (M,)
-        c2 = (g * xh).sum(axis=1) / acc.type(d)  # (M,)
-        dx = rstd[:, None] * (g - c1[:, None] - xh * c2[:, None])  # (M, D)
         geo = geometry(norm, dtype, m, d)
+        if geo.path == "cluster":  # the kernel's order of the row sums, so dx to the bit
+            reverse = self.flaw == FLAWS[4]
+            sums = cluster_row_sums((g, g * xh), f"{norm}_bwd", dtype, reverse)
+        else:  # NumPy's order: dx within the rounding only
+            sums = (g.sum(axis=1), (g * xh).sum(axis=1))
+        c1 = sums[0] / acc.type(d) if norm == "layer_norm" else np.zeros(m, acc)  # (M,)
+        c2 = sums[1] / acc.type(d)  # (M,)
+        dx = rstd[:, None] * (g - c1[:, None] - xh * c2[:, None])  # (M, D)
         done = m
         if self.flaw == FLAWS[0]:
             done = geo.units * (geo.most - 1)
@@ -209,12 +219,91 @@ class KernelModel(_Rows):
         return lanes[0]
 
 
+# The cluster kernel's row sums -----------------------------------------------------------------
+
+
+def cluster_chunks(op, dtype, d, per_block=None):
+    """The chunk (V elements) that thread t of block ``rank`` of a cluster holds in slot s, as
+    norms.cu's norm_bwd_cluster numbers them: ``rank * S + s * R + t`` where below the block's
+    share of the row's chunks, else -1. Shape (CLUSTER, MAXV, R). ``per_block``: another S
+    (a flaw), instead of build.cluster_shape's."""
+    r, maxv, shipped = build.cluster_shape(op, dtype, d)
+    per_block = shipped if per_block is None else per_block
+    vec = 16 // build.ITEMSIZE[build._layout(dtype)]
+    chunks = -(-d // vec)
+    rank = np.arange(build.CLUSTER)[:, None, None]
+    q = np.arange(maxv)[None, :, None] * r + np.arange(r)[None, None, :]  # (1, MAXV, R)
+    own = np.clip(chunks - rank * per_block, 0, per_block)  # (CLUSTER, 1, 1)
+    return np.where(q < own, rank * per_block + q, -1)
+
+
+def _tree32(v):
+    """Lane 0 of the kernels' warp_sum over the last axis (32 lanes): lane i adds lane i + 16,
+    then i + 8, 4, 2, 1."""
+    for half in (16, 8, 4, 2, 1):
+        v = v[..., :half] + v[..., half : 2 * half]
+    return v[..., 0]
+
+
+def cluster_row_sums(terms, op, dtype, reverse=False):
+    """Each row's sums of each of ``terms`` ((M, D) arrays in the accumulation dtype) in the
+    cluster kernel's order: a thread adds its slots' elements (slot, then element), each block
+    its threads by row_sum's trees (a warp's 32 lanes, then its 16 warps), then every block the
+    blocks' sums in rank order 0, 1, ..., CLUSTER - 1 (``reverse``: the other way, a flaw)."""
+    m, d = terms[0].shape
+    vec = 16 // build.ITEMSIZE[build._layout(dtype)]
+    chunks = -(-d // vec)
+    held = cluster_chunks(op, dtype, d)
+    held = np.where(held < 0, chunks, held)  # a zero chunk for the slots a thread leaves empty
+    ranks = range(build.CLUSTER - 1, -1, -1) if reverse else range(build.CLUSTER)
+    out = []
+    for a in terms:
+        padded = np.zeros((m, (chunks + 1) * vec), a.dtype)
+        padded[:, :d] = a
+        padded = padded.reshape(m, chunks + 1, vec)  # (M, chunks + 1, V)
+        threads = np.zeros((m, *held[:, 0].shape), a.dtype)  # (M, CLUSTER, R)
+        for s in range(held.shape[1]):
+            for j in range(vec):
+                threads += padded[:, held[:, s], j]
+        warps = _tree32(threads.reshape(m, build.CLUSTER, -1, 32))  # (M, CLUSTER, R / 32)
+        lanes = np.zeros((m, build.CLUSTER, 32), a.dtype)
+        lanes[..., : warps.shape[-1]] = warps
+        blocks = _tree32(lanes)  # (M, CLUSTER)
+        total = np.zeros(m, a.dtype)
+        for rank in ranks:
+            total = total + blocks[:, rank]
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", ("float16", "float32")])
+def test_cluster_blocks_hold_every_chunk_once(dtype):
+    """The cluster kernel's blocks and threads hold every chunk of a row once, each thread at
+    most MAXV (the partial sums it keeps in registers), for every row length it takes; an
+    ownership cut with S = chunks // CLUSTER (rounded down) would lose chunks."""
+    op = "add_layer_norm_bwd" if isinstance(dtype, tuple) else "layer_norm_bwd"
+    vec = 16 // build.ITEMSIZE[build._layout(dtype)]
+    top = 32768 if build._layout(dtype) == "float64" else 65536
+    flawed = 0
+    for d in (top // 8 + 1, 9001, 20000, 20001, 32767, top - 1, top):
+        assert build.backward_path(op, dtype, d, 90) == "cluster", (dtype, d)
+        chunks = -(-d // vec)
+        held = cluster_chunks(op, dtype, d)
+        assert np.array_equal(np.sort(held[held >= 0]), np.arange(chunks)), (dtype, d)
+        if chunks % build.CLUSTER:
+            cut = cluster_chunks(op, dtype, d, chunks // build.CLUSTER)
+            assert not np.array_equal(np.sort(cut[cut >= 0]), np.arange(chunks)), (dtype, d)
+            flawed += 1
+    assert flawed >= 2, dtype
+
+
 # Launch geometry and the cases --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Geometry:
-    tiles: int  # row tiles of the backward's largest shape (more than 1: the long-row kernel)
+    tiles: int  # row tiles of the backward's largest shape (more than 1: a long-row kernel)
+    path: str  # the backward's kernel: "tile", "cluster" or "long" (build.backward_path)
     units: int  # row groups of the backward, each with its own partial parameter gradients
     most: int  # rows of the busiest unit
     fewest: int  # rows of the idlest unit
@@ -230,16 +319,30 @@ def sm_count():
     return cuda_kernel._sm_count()
 
 
+def compute_capability():
+    """The compute capability the backward picks its long-row kernel by: the GPU's where CuPy
+    sees one, else build.DEFAULT_CC (an H100 or H200: the cluster kernel where rows fit)."""
+    cupy, _reason = _cupy_with_gpu()
+    if cupy is None:
+        return build.DEFAULT_CC
+    return cuda_kernel._compute_capability()
+
+
 def geometry(norm, dtype, m, d):
     """How the kernels of ``norm`` share ``m`` rows of ``d`` elements out, launched as
     lnlib._cuda.cuda_kernel launches them (units: ``min(m, blocks * rows per block)``; rows of
-    several tiles: the long-row kernels' blocks of one row, build.long_units for the backward)."""
+    several tiles: the forward's blocks of one row, and the backward's clusters,
+    build.cluster_units, or the two-launch kernel's blocks, build.long_units)."""
     _kernel, r, _maxv = cuda_kernel._forward_shape(f"{norm}_fwd", dtype, d)
     per_pass = build.grid("fwd", m, r) * (build.block_threads(r) // r)
     r, _maxv, tiles = build.launch_shape(f"{norm}_bwd", dtype, d)
-    blocks = build.grid("bwd", m, r, d, tiles, sm_count())
-    units = min(m, blocks * (1 if tiles > 1 else build.block_threads(r) // r))
-    return Geometry(tiles, units, -(-m // units), m // units, -(-m // per_pass))
+    path = build.backward_path(f"{norm}_bwd", dtype, d, compute_capability())
+    if path == "cluster":
+        units = build.cluster_units(m, d, sm_count())
+    else:
+        blocks = build.grid("bwd", m, r, d, tiles, sm_count())
+        units = min(m, blocks * (1 if tiles > 1 else build.block_threads(r) // r))
+    return Geometry(tiles, path, units, -(-m // units), m // units, -(-m // per_pass))
 
 
 @dataclass(frozen=True)
@@ -247,7 +350,7 @@ class Case:
     d: int
     m: int
     grid_threads: tuple  # (forward, backward) caps for build.GRID_THREADS; None: as shipped
-    path: str  # "registers": one-tile rows; "memory": long rows (two launches, rows read twice)
+    path: str  # "registers": one-tile rows; "long": rows of several tiles (a long-row kernel)
 
     def __str__(self):
         cap = "" if self.grid_threads is None else f"-grid{self.grid_threads[1]}"
@@ -259,10 +362,13 @@ class Case:
 #: Rows of 99 and 20001 elements are not whole 16-byte vectors: they take the element-wise loads.
 CASES = (
     Case(768, 20000, None, "registers"),  # float32: 4096 units of 4-5 rows, 3 forward passes
-    Case(20000, 1100, None, "memory"),  # long rows: 2 units an SM (132 SMs: 264 of 4-5 rows)
+    # long rows: on an H100/H200 32 clusters of 34-35 rows; on sm_80, 2 units an SM (108 SMs:
+    # 216 units of 5-6 rows)
+    Case(20000, 1100, None, "long"),
     Case(99, 1003, (256, 256), "registers"),  # a warp per row, 4 rows a block: 8 units
     Case(768, 1001, (128, 256), "registers"),  # float32: 4 units of 250-251 rows, 501 passes
-    Case(20001, 45, (1024, 1024), "memory"),  # long rows: 4 units of 11-12 rows, 45 fwd passes
+    # long rows: 2 clusters of 22-23 rows (sm_90), or 4 units of 11-12 rows; 45 fwd passes
+    Case(20001, 45, (1024, 1024), "long"),
 )
 #: The large cases (no grid cap) the model runs too: one, the largest partial sums (CPU time);
 #: the GPU runs them all, for every norm and dtype.
@@ -283,7 +389,7 @@ def test_each_case_reaches_what_it_is_for(monkeypatch, case, dtype):
     for norm in NORMS:
         geo = geometry(norm, dtype, case.m, case.d)
         what = f"{norm} {dtype} {case}: {geo}"
-        assert (geo.tiles > 1) == (case.path == "memory"), what
+        assert (geo.tiles > 1) == (case.path == "long"), what
         assert geo.most >= 2 and geo.fewest < geo.most, what
         assert geo.forward_passes >= 2, what
 
@@ -497,17 +603,38 @@ def test_rows_loaded_ahead_give_every_output(request, monkeypatch, kind, case, n
 # Long rows ----------------------------------------------------------------------------------
 
 #: Long rows (20001: not whole vectors, element by element; 9000: a tile and a little more).
-LONG_CASES = (Case(20001, 45, (1024, 1024), "memory"), Case(9000, 300, (1024, 1024), "memory"))
+LONG_CASES = (Case(20001, 45, (1024, 1024), "long"), Case(9000, 300, (1024, 1024), "long"))
+#: The long-row backward's two kernels: the cluster kernel (compute capability 9.x, rows that
+#: fit) and the two launches (every GPU; on 9.x with build.CLUSTER_MAJORS emptied).
+LONG_KERNELS = ("cluster", "two-launch")
+
+
+def use_long_kernel(monkeypatch, kernel, norm, dtype, d):
+    """Make the backward of ``norm`` on rows of ``d`` take the long-row ``kernel``: the cluster
+    kernel where this GPU (or, for the model, build.DEFAULT_CC) and ``d`` allow it, else skip;
+    the two launches by emptying build.CLUSTER_MAJORS (the hook backward_path reads)."""
+    if kernel == "two-launch":
+        monkeypatch.setattr(build, "CLUSTER_MAJORS", ())
+        return
+    cc = compute_capability()
+    if build.backward_path(f"{norm}_bwd", dtype, d, cc) != "cluster":
+        pytest.skip(
+            f"the cluster kernel does not take {dtype} rows of {d} on compute capability {cc}"
+        )
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", LONG_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("case", LONG_CASES, ids=str)
-def test_long_rows_in_two_launches(cuda_rows, monkeypatch, case, norm, dtype):
-    """The long-row backward (the rows' sums, then dx and the partial sums tile by tile of
-    columns): dweight and dbias exact, dx within ROW_TOL, and the same bits from a second call."""
+def test_long_rows_by_either_kernel(cuda_rows, monkeypatch, case, norm, dtype, kernel):
+    """The long-row backward, by the cluster kernel or the two launches (the rows' sums, then
+    dx and the partial sums tile by tile of columns): dweight and dbias exact, dx within
+    ROW_TOL, and the same bits from a second call."""
     _cap_grid(monkeypatch, case)
+    use_long_kernel(monkeypatch, kernel, norm, dtype, case.d)
+    assert geometry(norm, dtype, case.m, case.d).path == ("long" if kernel != "cluster" else kernel)
     check_many_rows_per_unit(cuda_rows, case, norm, dtype)
     data = exact_case(cuda_rows.xp, case, norm)[0]
     acc = acc_name(dtype)
@@ -519,6 +646,131 @@ def test_long_rows_in_two_launches(cuda_rows, monkeypatch, case, norm, dtype):
         [a.get().tobytes() for a in cuda_rows(f"{norm}_backward", dy, x, *args)] for _ in range(2)
     ]
     assert runs[0] == runs[1], f"{norm} {dtype} {case}: other bits on a second call"
+
+
+#: Rows the cluster kernel takes on an H100 or H200, with many rows a cluster (32 clusters with
+#: the grid as shipped: 20 and 10 rows each): the largest row it takes (65536) and one of
+#: 20000, whose slices end inside a block's last slot.
+CLUSTER_CASES = (Case(20000, 640, None, "long"), Case(65536, 320, None, "long"))
+
+
+def _cluster_params():
+    params = []
+    for case in CLUSTER_CASES:
+        for norm in NORMS:
+            for dtype in ("float32", "float16", "bfloat16"):
+                for kind in ("model", "cuda"):
+                    if kind == "model" and (case.d, norm, dtype) != (
+                        65536,
+                        "layer_norm",
+                        "float32",
+                    ):
+                        continue  # the model once (CPU time)
+                    marks = [pytest.mark.gpu] if kind == "cuda" else []
+                    ident = f"{kind}-{norm}-{dtype}-{case}"
+                    params.append(pytest.param(kind, case, norm, dtype, marks=marks, id=ident))
+    return params
+
+
+@pytest.mark.parametrize("kind,case,norm,dtype", _cluster_params())
+def test_cluster_kernel_over_many_rows_per_cluster(request, monkeypatch, kind, case, norm, dtype):
+    """The cluster kernel where each cluster takes 10 or 20 rows: every output of the forward
+    and the backward against the float64 reference, dweight and dbias exact (Exact)."""
+    rows = _rows(kind, request)
+    use_long_kernel(monkeypatch, "cluster", norm, dtype, case.d)
+    geo = geometry(norm, dtype, case.m, case.d)
+    assert geo.path == "cluster" and geo.fewest >= 10, geo
+    check_many_rows_per_unit(rows, case, norm, dtype)
+
+
+#: The cluster kernel in every 16/32-bit dtype, the two launches in float32 (tests/test_gpu.py
+#: checks long rows' batch invariance too), at rows of 20001 (element by element) and 65536.
+INVARIANCE_PARAMS = [
+    (d, norm, dtype, kernel)
+    for d in (20001, 65536)
+    for norm in NORMS
+    for kernel, dtypes in (
+        ("cluster", ("float32", "bfloat16", "float16")),
+        ("two-launch", ("float32",)),
+    )
+    for dtype in dtypes
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,norm,dtype,kernel", INVARIANCE_PARAMS)
+def test_long_rows_dx_is_batch_invariant(cuda_rows, monkeypatch, d, norm, dtype, kernel):
+    """A long row's dx has the same bits in a batch of 1, of 3 and of 200 rows (a different
+    number of units each time, and a different unit taking the row), by either kernel."""
+    use_long_kernel(monkeypatch, kernel, norm, dtype, d)
+    xp = cuda_rows.xp
+    rng = np.random.default_rng(d)
+    x = cuda_rows.put(rng.standard_normal((200, d)) + 1.0, dtype)  # (M, D)
+    dy = cuda_rows.put(rng.standard_normal((200, d)), dtype)
+    weight = xp.asarray(rng.standard_normal(d), dtype=xp.float32)
+    mean = xp.asarray(rng.standard_normal(200) * 0.01 + 1.0, dtype=xp.float32)
+    rstd = xp.asarray(rng.uniform(0.5, 2.0, 200), dtype=xp.float32)
+
+    def dx(rows):
+        if norm == "layer_norm":
+            got = cuda_rows(
+                "layer_norm_backward", dy[rows], x[rows], mean[rows], rstd[rows], weight
+            )
+        else:
+            got = cuda_rows("rms_norm_backward", dy[rows], x[rows], rstd[rows], weight)
+        return xp.asnumpy(got[0]).view(np.uint8).reshape(got[0].shape[0], -1)
+
+    whole = dx(slice(0, 200))
+    for rows in (slice(37, 38), slice(36, 39), slice(199, 200)):
+        assert (dx(rows) == whole[rows]).all(), f"{norm} {dtype} d={d} {kernel}: rows {rows}"
+
+
+def check_cluster_order(rows, norm, dtype, d, m=40):
+    """dx of ``rows`` on random rows of ``d`` elements (where the order of a row's sums changes
+    bits) bitwise that of KernelModel, which adds each row's sums in the cluster kernel's order
+    (cluster_row_sums) where the rows take it: the order norms.cu documents."""
+    xp = rows.xp
+    rng = np.random.default_rng(d + 1)
+    acc = acc_name(dtype)
+    x = rows.put(rng.standard_normal((m, d)) * 2 + 0.5, dtype)  # (M, D)
+    dy = rows.put(rng.standard_normal((m, d)), dtype)
+    weight = rows.put(rng.standard_normal(d), acc)
+    mean = rows.put(rng.standard_normal(m) * 0.1 + 0.5, acc)  # (M,)
+    rstd = rows.put(rng.uniform(0.4, 0.6, m), acc)
+    args = (dy, x, mean, rstd, weight) if norm == "layer_norm" else (dy, x, rstd, weight)
+    got = rows(f"{norm}_backward", *args)[0]
+    host = [a if isinstance(a, np.ndarray) else xp.asnumpy(a) for a in args]
+    want = KernelModel()(f"{norm}_backward", *host)[0]
+    got = got if isinstance(got, np.ndarray) else xp.asnumpy(got)
+    bad = int(np.count_nonzero(got.view(np.uint8) != want.view(np.uint8)))
+    what = f"{rows.name} {norm} {dtype} d={d} dx"
+    assert bad == 0, f"{what}: {bad} bytes differ from the cluster kernel's order of the sums"
+
+
+ORDER_PARAMS = [
+    (norm, dtype, d) for norm in NORMS for dtype in ("float32", "bfloat16") for d in (20001, 65536)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm,dtype,d", ORDER_PARAMS)
+def test_cluster_kernel_adds_the_row_sums_in_the_documented_order(
+    cuda_rows, monkeypatch, norm, dtype, d
+):
+    """The cluster kernel's dx to the bit: its row sums added as norms.cu says (slots, the
+    block's trees, then the blocks in rank order), the rest of dx as written."""
+    use_long_kernel(monkeypatch, "cluster", norm, dtype, d)
+    check_cluster_order(cuda_rows, norm, dtype, d)
+
+
+@pytest.mark.parametrize("norm,dtype,d", ORDER_PARAMS)
+def test_the_order_check_fails_other_orders(monkeypatch, norm, dtype, d):
+    """A model that adds the cluster's block sums in the reverse order fails the check: the
+    check's rows are ones where the order changes dx. (The model shares rows out as on an H100
+    or H200 here, whatever GPU this machine has.)"""
+    monkeypatch.setattr(sys.modules[__name__], "compute_capability", lambda: build.DEFAULT_CC)
+    with pytest.raises(AssertionError, match="differ from the cluster kernel's order"):
+        check_cluster_order(KernelModel(FLAWS[4]), norm, dtype, d)
 
 
 #: For each flaw: a case and dtype where it changes the results, and the first result it spoils.
