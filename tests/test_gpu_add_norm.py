@@ -205,9 +205,9 @@ def test_fallback_and_dh_dtypes(norm, xd, rd, res_dtype, d, dh_dtype):
 @pytest.mark.parametrize("d", [768, 1001, 20000])
 def test_more_rows_than_units(monkeypatch, norm, d):
     """A grid capped to 256 threads: each unit takes many rows, in forward and backward (the
-    partial parameter gradients in registers for one-tile rows; for longer ones, in the
-    long-row kernel's one unit, in shared memory, registers and memory as they fit); the
-    results stay bitwise those of the unfused kernels under the same cap."""
+    partial parameter gradients in registers, for one-tile rows and in the long-row kernels'
+    units alike: one cluster on sm_90, the two-launch kernel's units elsewhere); the results
+    stay bitwise those of the unfused kernels under the same cap."""
     monkeypatch.setitem(build.GRID_THREADS, "fwd", 256)
     monkeypatch.setitem(build.GRID_THREADS, "bwd", 256)
     x, residual, dy, weight, bias = _inputs(d, "float16", "float32")
