@@ -266,7 +266,7 @@ struct rows {
  * i % LANES, the last short group's element k to lane k); then each block's lanes are added,
  * in float64, to the sum's pairwise total, and the totals go to sum[]. Unrolled: the lane loop
  * 8 times for the vectoriser (fully, GCC makes the block loop in-order reductions), the block
- * loop (i from the block's start) 4 times, else its control outweighs its sums in short rows.
+ * loop (i from the block's start) fully, an exit test after each step: less control than a loop.
  * The short group goes to zeroed lanes of its own, added lane by lane, so that a stays in
  * registers; the same bits, as a lane that starts at +0 is never -0. LANES_ZERO zeroes lanes by
  * vector stores: GCC makes an initializer ({{0}}) a per-block memset (rep stos, slow to start). */
@@ -281,7 +281,7 @@ struct rows {
             ptrdiff_t len = block_len(start, (n)), i = 0;                                      \
             T a[count][LANES];                                                                 \
             LANES_ZERO(a, count);                                                              \
-            _Pragma("GCC unroll 4") for (; i + LANES <= len; i += LANES)                       \
+            _Pragma("GCC unroll 16") for (; i + LANES <= len; i += LANES)                      \
                 _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                        \
                 {                                                                              \
                     const ptrdiff_t e = start + i + k;                                         \
