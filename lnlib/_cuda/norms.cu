@@ -543,7 +543,17 @@ __device__ __forceinline__ void norm_bwd_long(const TY* dy, long long lddy, cons
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#include <cooperative_groups.h>
+// The cluster is reached through the CUDA built-ins of sm_90 (__clusterRelativeBlockRank,
+// __cluster_barrier_arrive/_wait: barrier.cluster.arrive (release) / wait (acquire), and
+// __cluster_map_shared_rank: mapa), the same instructions cooperative_groups' cluster_group
+// emits, without its header: NVRTC ships no cooperative_groups.h, and the one of a CUDA
+// toolkit needs libcu++ headers (cuda/std/type_traits) of a matching version, so including it
+// could stop every kernel of an sm_90 module from compiling where the toolkit's headers and
+// CuPy's bundled ones differ.
+__device__ __forceinline__ void cluster_sync() {
+    __cluster_barrier_arrive();
+    __cluster_barrier_wait();
+}
 
 // Blocks in a cluster of the sm_90 long-row backward (lnlib/_cuda/build.py, CLUSTER).
 #define LNLIB_CLUSTER 8
@@ -614,12 +624,10 @@ __device__ __forceinline__ void norm_bwd_cluster(const TY* dy, long long lddy, c
                                                  const A* mean, const A* rstd, const A* weight,
                                                  T* dx, long long lddx, A* dw_part, A* db_part,
                                                  long long m, int d, int vec_ok) {
-    namespace cg = cooperative_groups;
     typedef typename lnlib::Raw<Vec<T>::n * sizeof(T)>::type WX;
     typedef typename lnlib::Raw<Vec<T>::n * sizeof(TY)>::type WY;
     const int V = Vec<T>::n, C = LNLIB_CLUSTER, t = threadIdx.x, lane = threadIdx.x % 32;
-    const cg::cluster_group cluster = cg::this_cluster();
-    const int rank = (int)cluster.block_rank();
+    const int rank = (int)__clusterRelativeBlockRank();
     const long long units = gridDim.x / C, u = blockIdx.x / C;
     const int chunks = d / V + (d % V != 0);
     const int slice = chunks / C + (chunks % C != 0);
@@ -670,10 +678,11 @@ __device__ __forceinline__ void norm_bwd_cluster(const TY* dy, long long lddy, c
         }
         lnlib::row_sum<R, 2>(sums, shs);
         if (t == 0) part[buf][0] = sums[0], part[buf][1] = sums[1];
-        cluster.sync();
+        cluster_sync();
         A p[2] = {A(0), A(0)};
         if (lane < C) {
-            const A* theirs = cluster.map_shared_rank(&part[buf][0], lane);
+            const A* theirs = static_cast<const A*>(
+                __cluster_map_shared_rank((void*)&part[buf][0], (unsigned)lane));
             p[0] = theirs[0], p[1] = theirs[1];
         }
         A total[2] = {A(0), A(0)};
@@ -710,7 +719,7 @@ __device__ __forceinline__ void norm_bwd_cluster(const TY* dy, long long lddy, c
             lnlib::store_chunk(dx + row * lddx, c, n, vec_ok, out);
         }
     }
-    cluster.sync();  // no block leaves while another may still read its sums
+    cluster_sync();  // no block leaves while another may still read its sums
     if (u >= m) return;
 #pragma unroll
     for (int s = 0; s < MAXV; ++s) {
