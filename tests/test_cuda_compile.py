@@ -477,6 +477,60 @@ def _fake_cupy(np):
     return fake, wrap(np.asarray)
 
 
+def test_a_refused_cluster_launch_falls_back_to_the_two_launch_kernel(monkeypatch):
+    """Where the driver refuses the cluster kernel's launch (no GPC with 8 SMs free to it), the
+    call is made again by the two-launch kernel, with a warning, and that device takes the
+    two-launch kernel for its long rows from then on; other devices keep the cluster kernel.
+    Run with a stand-in for CuPy."""
+    import types
+
+    import numpy as np
+
+    from lnlib._cuda import cuda_kernel as ck
+
+    fake, put = _fake_cupy(np)
+    refused = type("CUDADriverError", (Exception,), {})
+    device = [0]
+    runtime = types.SimpleNamespace(getDevice=lambda: device[0])
+    fake.cuda = types.SimpleNamespace(runtime=runtime, driver=types.SimpleNamespace())
+    fake.cuda.driver.CUDADriverError = refused
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(ck, "_NO_CLUSTERS", set())
+    monkeypatch.setattr(ck, "_sm_count", lambda: 132)
+    monkeypatch.setattr(build, "device_arch", lambda: 90)
+    launched = []
+
+    class Kernel:
+        max_dynamic_shared_size_bytes = 48 * 1024
+
+        def __init__(self, op):
+            self.op = op
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            launched.append((device[0], self.op))
+            if self.op.endswith("_cluster") and device[0] == 0:
+                raise refused("CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES")
+
+    class SumModule:
+        def get_function(self, name):
+            return lambda grid, block, args: None
+
+    monkeypatch.setattr(build, "function", lambda op, dtype, r, maxv: Kernel(op))
+    monkeypatch.setattr(build, "module", lambda op, dtype: SumModule())
+    d = 20000
+    assert build.backward_path("layer_norm_bwd", "float32", d, 90) == "cluster"
+    x, dy = (put(np.ones((3, d)), dtype="float32") for _ in range(2))
+    w, stats = put(np.ones(d), dtype="float32"), put(np.ones(3), dtype="float32")
+    with pytest.warns(UserWarning, match="device 0 refused the cluster backward"):
+        ck.layer_norm_backward_rows(dy, x, stats, stats, w)
+    long = [(0, "layer_norm_bwd_long")] * 2
+    assert launched == [(0, "layer_norm_bwd_cluster"), *long] and ck._NO_CLUSTERS == {0}
+    ck.rms_norm_backward_rows(dy, x, stats, w)  # device 0: straight to the two launches
+    device[0] = 1  # another device keeps the cluster kernel
+    ck.layer_norm_backward_rows(dy, x, stats, stats, w)
+    assert launched[3:] == [(0, "rms_norm_bwd_long")] * 2 + [(1, "layer_norm_bwd_cluster")]
+
+
 @pytest.mark.parametrize("cc", [80, 90])
 def test_row_functions_pass_what_each_kernel_declares(monkeypatch, cc):
     """Every launch of the CUDA row functions (fused and unfused, every dtype combination the

@@ -725,6 +725,29 @@ def test_long_rows_dx_is_batch_invariant(cuda_rows, monkeypatch, d, norm, dtype,
         assert (dx(rows) == whole[rows]).all(), f"{norm} {dtype} d={d} {kernel}: rows {rows}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cluster_kernel_reads_strided_aligned_rows(cuda_rows, monkeypatch, norm, dtype):
+    """Rows 16 elements apart beyond d (every row still 16-byte aligned, so the cp.async path,
+    not the element path) give the bits of their contiguous copy: dx and the parameter
+    gradients, so the kernel steps by ldx and lddy, not by d."""
+    d, m = 65536, 40
+    use_long_kernel(monkeypatch, "cluster", norm, dtype, d)
+    xp = cuda_rows.xp
+    rng = np.random.default_rng(5)
+    wide = [cuda_rows.put(rng.standard_normal((m, d + 16)), dtype) for _ in range(2)]
+    x, dy = (w[:, :d] for w in wide)  # (M, D), rows D + 16 apart
+    weight = xp.asarray(rng.standard_normal(d), dtype=xp.float32)
+    stats = [xp.asarray(rng.uniform(0.5, 2.0, m), dtype=xp.float32) for _ in range(2)]
+    args = (*stats, weight) if norm == "layer_norm" else (stats[1], weight)
+
+    def bits(dy, x):
+        return [xp.asnumpy(a).tobytes() for a in cuda_rows(f"{norm}_backward", dy, x, *args)]
+
+    assert bits(dy, x) == bits(xp.ascontiguousarray(dy), xp.ascontiguousarray(x)), norm
+
+
 def check_cluster_order(rows, norm, dtype, d, m=40):
     """dx of ``rows`` on random rows of ``d`` elements (where the order of a row's sums changes
     bits) bitwise that of KernelModel, which adds each row's sums in the cluster kernel's order

@@ -13,6 +13,7 @@ Derived in the book, chapter "Implementation", section "GPU kernels".
 
 import functools
 import sys
+import warnings
 
 import numpy as np
 
@@ -187,7 +188,16 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()
         shared = build.cluster_shared_bytes(op, dtype, d)
         if fn.max_dynamic_shared_size_bytes < shared:  # the opt-in above the 48 KiB default
             fn.max_dynamic_shared_size_bytes = shared
-        fn((units * build.CLUSTER,), (r,), args, shared_mem=shared)
+        try:
+            fn((units * build.CLUSTER,), (r,), args, shared_mem=shared)
+        except cupy.cuda.driver.CUDADriverError as error:
+            # the driver refuses the clusters (no 8 SMs of one GPC to give it: a MIG slice...):
+            # this device takes the two-launch kernel from now on, for every d alike
+            device = cupy.cuda.runtime.getDevice()
+            _NO_CLUSTERS.add(device)
+            warnings.warn(f"lnlib: device {device} refused the cluster backward ({error}); "
+                          "its long rows take the two-launch backward", stacklevel=2)  # fmt: skip
+            return _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod)
     elif path == "long":  # norm_bwd_long: the rows' two means into c, then dx and partial sums
         r, maxv, tiles = build.long_shape(op, dtype, d)
         fn, c = build.function(op + "_long", dtype, r, maxv), cupy.empty(2 * m, dtype=acc)
@@ -214,15 +224,16 @@ def _sm_count():
     return _device_sm_count(sys.modules["cupy"].cuda.runtime.getDevice())
 
 
-@functools.cache
-def _device_compute_capability(device):
-    return int(sys.modules["cupy"].cuda.Device(device).compute_capability)
+#: Devices whose driver refused a cluster launch: their long rows take the two-launch kernel.
+_NO_CLUSTERS = set()
 
 
 def _compute_capability():
-    """The compute capability of the current device (e.g. 90): long rows take the cluster
-    kernel on 9.x (build.backward_path)."""
-    return _device_compute_capability(sys.modules["cupy"].cuda.runtime.getDevice())
+    """The compute capability the long-row backward picks its kernel by (build.backward_path):
+    the current device's (e.g. 90: the cluster kernel), or 0 once its driver has refused a
+    cluster launch (the two-launch kernel)."""
+    device = sys.modules["cupy"].cuda.runtime.getDevice()
+    return 0 if device in _NO_CLUSTERS else build.device_arch()
 
 
 def _no_rows(out, dx, d, acc, with_bias):
