@@ -65,3 +65,28 @@ def test_it_runs_every_test_file_with_gpu_tests():
     with_gpu = {line.split("::")[0] for line in found.stdout.splitlines() if "::" in line}
     assert {"tests/test_gpu.py", "tests/test_gpu_rows.py", "tests/test_layer_norm.py"} <= with_gpu
     assert with_gpu <= listed, f"GPU tests the check does not run: {sorted(with_gpu - listed)}"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("cupy") is not None, reason="CuPy is installed in this Python"
+)
+def test_the_cache_warm_up_reports_each_module():
+    """tools/gpu_warm_cache.py compiles every module in spawned workers and reports each: here,
+    without a GPU (or CuPy), every module fails, by name, and it exits 1."""
+    result = subprocess.run(
+        [sys.executable, "tools/gpu_warm_cache.py", "--workers", "2"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), CUPY_CACHE_DIR="/nonexistent-cupy-cache"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    sys.path.insert(0, str(ROOT))
+    from lnlib._cuda import build
+
+    keys = build.modules()
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert len(lines) == len(keys) + 1 and all("FAILED" in line for line in lines[:-1])
+    assert lines[-1].startswith(f"{len(keys)} modules, {len(keys)} failed")

@@ -2,7 +2,8 @@
 # One command for a machine with an NVIDIA GPU (make gpu-check): checks lnlib's CUDA path and
 # benchmarks it, writing at most 7 files, each under 16 MiB, into ${GPU_OUT:-_build/gpu}:
 #   summary.txt   every step's status (PASS, FAIL, SKIP with the reason) and time
-#   tests.log     the GPU tests and the CuPy variants of the LayerNorm/RMSNorm/AdaLN tests
+#   tests.log     the modules compiled into CuPy's cache (in parallel, first), the GPU tests
+#                 and the CuPy variants of the LayerNorm/RMSNorm/AdaLN tests
 #   bench.log, gpu_<name>.json   the GPU benchmark (python -m lnlib.bench_gpu)
 #   ncu.csv       Nsight Compute: DRAM bytes read and written, L1 wavefronts, per kernel
 #   sanitizers.log   compute-sanitizer memcheck and racecheck on every kernel at small shapes
@@ -84,6 +85,11 @@ else
     skip "compile test" "run by the CPU CI; GPU_CHECK_COMPILE=1 runs it here"
 fi
 
+# every module compiled at once, in parallel processes, into CuPy's cache (CUPY_CACHE_DIR): the
+# steps below load them from there instead of compiling each, one at a time, on first use
+step "compile every module into CuPy's cache (parallel)" 35 tests.log \
+    $PY tools/gpu_warm_cache.py
+
 if has_py pytest && has_py hypothesis; then
     per_test=()
     has_py pytest_timeout && per_test=(-p pytest_timeout --timeout 90)
@@ -91,7 +97,7 @@ if has_py pytest && has_py hypothesis; then
         tests/test_ada_norm.py
         tests/test_gpu_modulated.py)
     has_py torch && gpu_tests+=(tests/test_torch_bridge_gpu.py)
-    step "GPU tests and the CuPy variants (LNLIB_REQUIRE_GPU=1, -m gpu)" 190 tests.log \
+    step "GPU tests and the CuPy variants (LNLIB_REQUIRE_GPU=1, -m gpu)" 160 tests.log \
         env LNLIB_REQUIRE_GPU=1 $PY -m pytest "${gpu_tests[@]}" -m gpu -q -rs -p no:cacheprovider \
         "${per_test[@]}"
 else
