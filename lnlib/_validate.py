@@ -1,4 +1,6 @@
-"""Argument checks shared by every public function, and the array module of its arguments.
+"""Argument checks shared by every public function, and the array module of its arguments; the
+checks and parameter fills shared by the constructors of the NumPy layers (:mod:`lnlib.layers`)
+and the torch modules (:mod:`lnlib.torch_bridge`).
 
 Each check runs before any work, names the argument at fault and says what was expected.
 """
@@ -229,6 +231,23 @@ def num_groups_value(num_groups, channels, what):
     if channels % g:
         raise ValueError(f"num_groups must divide {what} = {channels}, got {g}")
     return g
+
+
+def affine_fills(held):
+    """The fills of a weight (ones) and a bias (zeros), held or not (None)."""
+    return {"weight": 1.0 if held else None, "bias": 0.0 if held else None}
+
+
+def norm_setup(layer, normalized_shape, eps, affine, weight_offset, bias=None):
+    """What a LayerNorm or RMSNorm (and their fused forms), NumPy layer or torch module, does
+    first: check and set the normalized shape, ``eps`` and the offset; return the fills of the
+    weight (``1 - weight_offset``) and, unless ``bias`` is None (RMSNorm has none), the bias."""
+    layer.normalized_shape, layer.eps = normalized_shape_value(normalized_shape), eps
+    layer.weight_offset = weight_offset_value(weight_offset, True if affine else None)
+    fills = {"weight": 1 - layer.weight_offset if affine else None}
+    if bias is not None:
+        fills["bias"] = 0.0 if affine and bias else None
+    return fills
 
 
 def shape_value(shape, name):

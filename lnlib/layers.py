@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _docs
 from ._docs import DYT, ENTRIES, RMS, parameters
-from ._validate import normalized_shape_value, weight_offset_value
+from ._validate import affine_fills, norm_setup, normalized_shape_value
 from .ada_norm import (
     ada_layer_norm_backward,
     ada_layer_norm_forward,
@@ -67,31 +67,13 @@ class _Layer:
         return dx
 
 
-def _affine(held):
-    """The fills of a weight (ones) and a bias (zeros), held or not (here and in the torch
-    modules of :mod:`lnlib.torch_bridge`)."""
-    return {"weight": 1.0 if held else None, "bias": 0.0 if held else None}
-
-
-def _norm_setup(layer, normalized_shape, eps, affine, weight_offset, bias=None):
-    """What a LayerNorm or RMSNorm (and their fused forms), NumPy layer or torch module, does
-    first: check and set the normalized shape, ``eps`` and the offset; return the fills of the
-    weight (``1 - weight_offset``) and, unless ``bias`` is None (RMSNorm has none), the bias."""
-    layer.normalized_shape, layer.eps = normalized_shape_value(normalized_shape), eps
-    layer.weight_offset = weight_offset_value(weight_offset, True if affine else None)
-    fills = {"weight": 1 - layer.weight_offset if affine else None}
-    if bias is not None:
-        fills["bias"] = 0.0 if affine and bias else None
-    return fills
-
-
 class _Norm(_Layer):
-    """What LayerNorm and RMSNorm (and their fused forms) share: :func:`_norm_setup`, then the
-    parameters held; a forward that runs an lnlib forward on ``x`` (fused: ``x`` and
-    ``residual``) with them, for the steps that :func:`_norm_steps` writes."""
+    """What LayerNorm and RMSNorm (and their fused forms) share: ``norm_setup`` (of
+    ``lnlib/_validate.py``), then the parameters held; a forward that runs an lnlib forward on
+    ``x`` (fused: ``x`` and ``residual``) with them, for the steps :func:`_norm_steps` writes."""
 
     def _setup(self, normalized_shape, eps, affine, dtype, weight_offset, bias=None):
-        fills = _norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
+        fills = norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
         self._hold(self.normalized_shape, dtype, **fills)
 
     def _forward(self, forward, *inputs, **kw):
@@ -264,7 +246,7 @@ class BatchNorm(_Layer):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype=np.float32):
         self.eps, self.momentum, self.training = eps, momentum, True
-        self._hold(num_features, dtype, **_affine(affine))
+        self._hold(num_features, dtype, **affine_fills(affine))
         self.running_mean = np.zeros(num_features, dtype)
         self.running_var = np.ones(num_features, dtype)
 
@@ -323,7 +305,7 @@ class GroupNorm(_Layer):
                 f"num_groups must be >= 1 and divide num_channels = "
                 f"{self.num_channels}, got {num_groups}"
             )
-        self._hold(self.num_channels, dtype, **_affine(affine))
+        self._hold(self.num_channels, dtype, **affine_fills(affine))
 
     @_docs.layer_forward("group_norm_forward", "(N, C, ...)", "The normalized input.")
     def forward(self, x):
@@ -362,7 +344,7 @@ class DynamicTanh(_Layer):
                 f"normalized_shape must be one size (the last axis), got {normalized_shape}"
             )
         self._hold((), dtype, alpha=alpha_init)
-        self._hold(self.normalized_shape, dtype, **_affine(elementwise_affine))
+        self._hold(self.normalized_shape, dtype, **affine_fills(elementwise_affine))
 
     @_docs.layer_forward("dynamic_tanh", "(..., D)", "``weight * tanh(alpha * x) + bias``.")
     def forward(self, x):

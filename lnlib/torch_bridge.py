@@ -24,7 +24,7 @@ from torch import nn
 import lnlib
 from lnlib import _docs, _validate
 from lnlib._autograd import _finish, _function, _to_array
-from lnlib.layers import _affine, _norm_setup
+from lnlib._validate import affine_fills, norm_setup
 
 __all__ = ["layer_norm", "rms_norm", "group_norm", "dynamic_tanh"]
 __all__ += ["LayerNormFunction", "RMSNormFunction", "GroupNormFunction", "DynamicTanhFunction"]
@@ -286,7 +286,7 @@ class _Norm(nn.Module):
     def __init__(self, normalized_shape, eps, affine, weight_offset, device, dtype, bias=None):
         super().__init__()
         self.elementwise_affine = affine
-        fills = _norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
+        fills = norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
         _learn(self, self.normalized_shape, device, dtype, **fills)
 
     @_docs.doc(_docs.RESET)
@@ -359,7 +359,7 @@ class GroupNorm(nn.Module):
         _validate.num_groups_value(num_groups, num_channels, "num_channels")
         self.num_groups, self.num_channels, self.eps = num_groups, num_channels, eps
         self.affine = affine
-        _learn(self, (num_channels,), device, dtype, **_affine(affine))
+        _learn(self, (num_channels,), device, dtype, **affine_fills(affine))
 
     @_docs.module_forward("group_norm")
     def forward(self, x):
@@ -390,7 +390,7 @@ class DynamicTanh(nn.Module):
         self.normalized_shape = _validate.normalized_shape_value(normalized_shape)
         _learn(self, (), device, dtype, alpha=float(alpha_init_value))
         self.elementwise_affine = elementwise_affine
-        _learn(self, self.normalized_shape, device, dtype, **_affine(elementwise_affine))
+        _learn(self, self.normalized_shape, device, dtype, **affine_fills(elementwise_affine))
 
     @_docs.module_forward("dynamic_tanh")
     def forward(self, x):
