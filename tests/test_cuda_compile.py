@@ -480,8 +480,8 @@ def _fake_cupy(np):
 def test_a_refused_cluster_launch_falls_back_to_the_two_launch_kernel(monkeypatch):
     """Where the driver refuses the cluster kernel's launch (no GPC with 8 SMs free to it), the
     call is made again by the two-launch kernel, with a warning, and that device takes the
-    two-launch kernel for its long rows from then on; other devices keep the cluster kernel.
-    Run with a stand-in for CuPy."""
+    two-launch kernel for its long rows from then on; other devices keep the cluster kernel,
+    and another error (an illegal address) is raised. Run with a stand-in for CuPy."""
     import types
 
     import numpy as np
@@ -489,7 +489,12 @@ def test_a_refused_cluster_launch_falls_back_to_the_two_launch_kernel(monkeypatc
     from lnlib._cuda import cuda_kernel as ck
 
     fake, put = _fake_cupy(np)
-    refused = type("CUDADriverError", (Exception,), {})
+
+    class refused(Exception):  # CuPy's CUDADriverError: a CUresult in .status
+        def __init__(self, status):
+            self.status = status
+            super().__init__(f"CUresult {status}")
+
     device = [0]
     runtime = types.SimpleNamespace(getDevice=lambda: device[0])
     fake.cuda = types.SimpleNamespace(runtime=runtime, driver=types.SimpleNamespace())
@@ -508,8 +513,8 @@ def test_a_refused_cluster_launch_falls_back_to_the_two_launch_kernel(monkeypatc
 
         def __call__(self, grid, block, args, shared_mem=0):
             launched.append((device[0], self.op))
-            if self.op.endswith("_cluster") and device[0] == 0:
-                raise refused("CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES")
+            if self.op.endswith("_cluster") and device[0] != 1:
+                raise refused(912 if device[0] == 0 else 700)  # refused; an illegal address
 
     class SumModule:
         def get_function(self, name):
@@ -529,6 +534,10 @@ def test_a_refused_cluster_launch_falls_back_to_the_two_launch_kernel(monkeypatc
     device[0] = 1  # another device keeps the cluster kernel
     ck.layer_norm_backward_rows(dy, x, stats, stats, w)
     assert launched[3:] == [(0, "rms_norm_bwd_long")] * 2 + [(1, "layer_norm_bwd_cluster")]
+    device[0] = 2  # an error that is no refusal of the launch is raised, the device kept
+    with pytest.raises(refused):
+        ck.layer_norm_backward_rows(dy, x, stats, stats, w)
+    assert ck._NO_CLUSTERS == {0}
 
 
 @pytest.mark.parametrize("cc", [80, 90])

@@ -191,8 +191,11 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()
         try:
             fn((units * build.CLUSTER,), (r,), args, shared_mem=shared)
         except cupy.cuda.driver.CUDADriverError as error:
-            # the driver refuses the clusters (no 8 SMs of one GPC to give it: a MIG slice...):
-            # this device takes the two-launch kernel from now on, for every d alike
+            # the driver refuses the launch itself (no 8 SMs of one GPC to give the cluster: a
+            # MIG slice...): this device takes the two-launch kernel from now on, for every d
+            # alike; any other error (a fault of an earlier kernel, ...) is raised
+            if error.status not in _LAUNCH_REFUSED:
+                raise
             device = cupy.cuda.runtime.getDevice()
             _NO_CLUSTERS.add(device)
             warnings.warn(f"lnlib: device {device} refused the cluster backward ({error}); "
@@ -226,6 +229,9 @@ def _sm_count():
 
 #: Devices whose driver refused a cluster launch: their long rows take the two-launch kernel.
 _NO_CLUSTERS = set()
+#: CUresult codes of a launch refused for its configuration (cuda.h): CUDA_ERROR_INVALID_VALUE,
+#: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, CUDA_ERROR_INVALID_CLUSTER_SIZE.
+_LAUNCH_REFUSED = (1, 701, 912)
 
 
 def _compute_capability():
