@@ -247,14 +247,22 @@ def test_long_row_backward_figures_stated_in_the_book():
     threads, rows of up to 65536 elements (32768 float64), 128 KiB of shared memory a block for
     float32 rows of 65536, 32 clusters on 132 SMs, caps of 512 clusters and 1024 groups; x and
     dy read once (12 bytes an element, float32) against twice (20) by the two launches of 256
-    threads; the modulated backward takes the two launches."""
+    threads; the modulated backward takes the cluster kernel too, with at least one cluster per
+    parameter row (64 runs of one cluster where 32 clusters would do)."""
     op = "layer_norm_bwd"
     assert (build.CLUSTER, build.CLUSTER_R, build.LONG_R) == (8, 512, 256)
     assert build.backward_path(op, "float32", 65536, 90) == "cluster"
     assert build.backward_path(op, "float32", 65537, 90) == "long"
     assert build.backward_path(op, "float64", 32768, 90) == "cluster"
     assert build.backward_path(op, "float64", 32769, 90) == "long"
-    assert build.backward_path("modulated_layer_norm_bwd", "float32", 20000, 90) == "long"
+    assert build.backward_path("modulated_layer_norm_bwd", "float32", 20000, 90) == "cluster"
+    assert build.backward_path("modulated_layer_norm_bwd", "float32", 65536, 80) == "long"
+    assert build.cluster_run_units(128, 65536, 64, 132) == 1
+    assert build.cluster_run_units(128, 65536, 4, 132) == 8  # the 32 clusters shared out
+    gn = 4 * 128 * 128  # GroupNorm rows of 4 channels a group at 128 x 128
+    assert gn == 65536 and build.backward_path("modulated_layer_norm_bwd", "float32", gn, 90) == (
+        "cluster"
+    )
     assert build.backward_path(op, "float32", 65536, 80) == "long"
     assert build.cluster_shared_bytes(op, "float32", 65536) == 128 * 1024
     assert build.cluster_units(10**6, 65536, 132) == 32
@@ -319,12 +327,12 @@ def test_cluster_kernels_compile_for_sm90_only():
     assert r == build.CLUSTER_R and (r, maxv) == build.shapes("layer_norm_bwd", "float32")[-1]
 
 
-@pytest.mark.parametrize("op", build.CLUSTER_OPS + ("modulated_layer_norm_bwd",))
+@pytest.mark.parametrize("op", build.CLUSTER_OPS)
 def test_backward_path_is_chosen_from_d_dtype_and_compute_capability(op):
     """Where each backward's rows go: one tile, the cluster kernel (compute capability 9.x, a
     slice of each row within the threads' registers and the shared-memory cap: 65536 elements
-    of 16- and 32-bit types, 32768 of float64), or the two launches (sm_80, longer rows, the
-    modulated backward). No number of rows enters."""
+    of 16- and 32-bit types, 32768 of float64), or the two launches (sm_80, longer rows). No
+    number of rows enters."""
     fused = build.FUSED["bwd"] if op.startswith("add_") else None
     for dtype in fused or sorted(build.TYPE_NAMES):
         layout = build._layout(dtype)
@@ -480,8 +488,9 @@ def _fake_cupy(np):
 def test_a_refused_cluster_launch_falls_back_to_the_two_launch_kernel(monkeypatch):
     """Where the driver refuses the cluster kernel's launch (no GPC with 8 SMs free to it), the
     call is made again by the two-launch kernel, with a warning, and that device takes the
-    two-launch kernel for its long rows from then on; other devices keep the cluster kernel,
-    and another error (an illegal address) is raised. Run with a stand-in for CuPy."""
+    two-launch kernel for its long rows from then on (the modulated backward too); other
+    devices keep the cluster kernel, and another error (an illegal address) is raised. Run with
+    a stand-in for CuPy."""
     import types
 
     import numpy as np
@@ -514,7 +523,7 @@ def test_a_refused_cluster_launch_falls_back_to_the_two_launch_kernel(monkeypatc
         def __call__(self, grid, block, args, shared_mem=0):
             launched.append((device[0], self.op))
             if self.op.endswith("_cluster") and device[0] != 1:
-                raise refused(912 if device[0] == 0 else 700)  # refused; an illegal address
+                raise refused(912 if device[0] in (0, 3) else 700)  # refused; illegal address
 
     class SumModule:
         def get_function(self, name):
@@ -538,6 +547,14 @@ def test_a_refused_cluster_launch_falls_back_to_the_two_launch_kernel(monkeypatc
     with pytest.raises(refused):
         ck.layer_norm_backward_rows(dy, x, stats, stats, w)
     assert ck._NO_CLUSTERS == {0}
+    device[0] = 3  # the modulated backward falls back alike, its runs and (mods, D) kept
+    mw = put(np.ones((3, d)), dtype="float32")
+    with pytest.warns(UserWarning, match="device 3 refused the cluster backward"):
+        grads = ck.modulated_layer_norm_backward_rows(dy, x, stats, stats, mw, 1, 3)
+    assert [g.shape for g in grads] == [(3, d)] * 3
+    mod = "modulated_layer_norm_bwd"
+    assert launched[-3:] == [(3, mod + "_cluster")] + [(3, mod + "_long")] * 2
+    assert ck._NO_CLUSTERS == {0, 3}
 
 
 @pytest.mark.parametrize("cc", [80, 90])
@@ -548,7 +565,9 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch, cc):
     kernel of its module for the device's compute capability ``cc``; run with a stand-in for
     CuPy, so a wrong order fails here. Long rows on sm_90 take the cluster kernel: whole
     clusters, blocks of CLUSTER_R threads, the dynamic shared memory build.py gives, opted into
-    before the launch, and (units, D) partial buffers, one row per cluster."""
+    before the launch, and (units, D) partial buffers, one row per cluster; the modulated
+    backward's clusters in runs, one per parameter row: a grid of runs * units * CLUSTER
+    blocks, (runs * units, D) partial buffers (build.cluster_run_units)."""
     import numpy as np
 
     from lnlib._cuda import cuda_kernel as ck
@@ -574,13 +593,19 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch, cc):
             assert len(args) == len(params), (name, len(args), len(params))
             assert shared_mem == 0 or op.endswith("_cluster"), (name, shared_mem)
             if op.endswith("_cluster"):
-                m, d = int(args[-3]), int(args[-2])
+                value = {pname: a for a, (_c, _p, pname) in zip(args, params)}
+                m, d = int(value["m"]), int(value["d"])
+                runs = int(value.get("mods", 1))
                 assert cc // 10 in build.CLUSTER_MAJORS and base in build.CLUSTER_OPS, name
                 assert build.backward_path(base, dtype, d, cc) == "cluster", (name, d)
                 assert block == (build.CLUSTER_R,) and len(grid) == 1, (name, grid, block)
-                assert grid[0] % build.CLUSTER == 0, (name, grid)
-                units = grid[0] // build.CLUSTER
-                assert units == build.cluster_units(m, d, 132) <= m, (name, grid, m)
+                assert grid[0] % (runs * build.CLUSTER) == 0, (name, grid, runs)
+                per_run = grid[0] // (runs * build.CLUSTER)
+                assert per_run == build.cluster_run_units(m, d, runs, 132), (name, grid, m)
+                assert 1 <= per_run <= m // runs, (name, grid, m, runs)
+                if runs == 1:
+                    assert per_run == build.cluster_units(m, d, 132), (name, grid, m)
+                units = runs * per_run
                 assert shared_mem == build.cluster_shared_bytes(base, dtype, d), (name, shared_mem)
                 assert shared_mem <= kernel.max_dynamic_shared_size_bytes, (name, shared_mem)
                 assert shared_mem <= build.CLUSTER_SHARED_CAP, (name, shared_mem)
@@ -601,11 +626,15 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch, cc):
                 part, m, mods = args[9], int(args[11]), int(args[15])
                 assert grid[0] % mods == 0, (name, grid, mods)
                 blocks, rows_per_block = grid[0] // mods, block[0] // int(binding["R"])
-                per_run = (
-                    blocks if op.endswith("_long") else min(m // mods, blocks * rows_per_block)
-                )
+                if op.endswith("_long"):
+                    per_run = blocks
+                elif op.endswith("_cluster"):  # whole clusters in each run
+                    assert blocks % build.CLUSTER == 0, (name, grid, mods)
+                    per_run = blocks // build.CLUSTER
+                else:
+                    per_run = min(m // mods, blocks * rows_per_block)
                 assert part.shape[0] == mods * per_run, (name, part.shape, grid, mods)
-                assert blocks <= m // mods or not op.endswith("_long"), (name, blocks, m)
+                assert per_run <= m // mods or op == base, (name, blocks, m)
             launched.append(op)
 
         return Kernel()
@@ -648,7 +677,9 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch, cc):
         ck.layer_norm_backward_rows(dy, h, mean, rstd, w)
         ck.rms_norm_backward_rows(dy, h, rstd, w)
     for dt, d, (m, group, mods) in itertools.product(
-        ("float32", "float16", "float64"), (32, 1001, 20000), ((6, 2, 3), (40, 1, 4), (3, 1, 1))
+        ("float32", "float16", "float64"),
+        (32, 1001, 20000),
+        ((6, 2, 3), (40, 1, 4), (3, 1, 1), (400, 1, 2), (100, 50, 2)),
     ):
         x, dy = (put(rng.standard_normal((m, d)), dtype=dt) for _ in range(2))
         w = put(np.ones((mods, d)), dtype="float64" if dt == "float64" else "float32")
@@ -658,7 +689,8 @@ def test_row_functions_pass_what_each_kernel_declares(monkeypatch, cc):
             assert [g.shape for g in grads] == [(m, d), (mods, d), (mods, d)]
     ops = build.OPS + build.ADD_OPS + build.MOD_OPS
     want = ops + tuple(op + "_long" for op in ops)
-    if cc >= 90:  # d = 20000: the cluster kernel, but for the modulated backward (and float64
-        want += tuple(op + "_cluster" for op in build.CLUSTER_OPS)  # too: 20000 <= 32768)
-        want = tuple(k for k in want if k.startswith("modulated") or not k.endswith("bwd_long"))
+    if cc >= 90:  # d = 20000: every backward's cluster kernel (float64 too: 20000 <= 32768)
+        assert "modulated_layer_norm_bwd" in build.CLUSTER_OPS
+        want += tuple(op + "_cluster" for op in build.CLUSTER_OPS)
+        want = tuple(k for k in want if not k.endswith("bwd_long"))
     assert set(launched) == set(want), sorted(set(launched) ^ set(want))

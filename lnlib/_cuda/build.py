@@ -100,8 +100,8 @@ LONG_BLOCKS_PER_SM = 2
 #: (:func:`cluster_units`), CLUSTER_MAJORS the compute capabilities (major) that take it, read at
 #: every launch (tests set it to () to run the two-launch kernel on an H100 or H200), and
 #: CLUSTER_SHARED_CAP the dynamic shared memory a block may take (227 KiB, the opt-in limit of
-#: sm_90, less 1 KiB for the kernel's static shared memory). The modulated backward always takes
-#: the two-launch kernel.
+#: sm_90, less 1 KiB for the kernel's static shared memory). The modulated backward's clusters
+#: come in runs, one per parameter row (:func:`cluster_run_units`).
 CLUSTER = 8
 CLUSTER_R = 512
 CLUSTER_BLOCKS_PER_SM = 1
@@ -109,7 +109,13 @@ CLUSTER_WAVES = 2
 CLUSTER_MAJORS = (9,)
 CLUSTER_SHARED_CAP = 227 * 1024 - 1024
 #: The backward ops with a cluster kernel (``op + "_cluster"``).
-CLUSTER_OPS = ("layer_norm_bwd", "rms_norm_bwd", "add_layer_norm_bwd", "add_rms_norm_bwd")
+CLUSTER_OPS = (
+    "layer_norm_bwd",
+    "rms_norm_bwd",
+    "add_layer_norm_bwd",
+    "add_rms_norm_bwd",
+    "modulated_layer_norm_bwd",
+)
 #: The oldest compute capability whose modules hold the cluster kernels (norms.cu compiles them
 #: only where ``__CUDA_ARCH__ >= 900``).
 CLUSTER_ARCH = 90
@@ -254,6 +260,17 @@ def cluster_units(m, d, sms=None):
     resident = max(1, sms // CLUSTER * CLUSTER_BLOCKS_PER_SM) * CLUSTER_WAVES
     cap = max(1, GRID_THREADS["bwd"] // CLUSTER_R)
     return max(1, min(m, resident, cap, max(1, LONG_ROW_PARTIAL // d)))
+
+
+def cluster_run_units(m, d, runs, sms=None):
+    """Clusters a run of the modulated cluster kernel takes for ``m`` rows of ``d`` elements in
+    ``runs`` runs (one per parameter row, ``m // runs`` rows each; norms.cu, ModRows): the
+    clusters :func:`cluster_units` gives the whole grid shared out among the runs, rounded up,
+    but at least one a run and at most :func:`cluster_units` of a run's rows (so at most one
+    per row). The grid is ``runs`` times this many clusters and the partial buffers
+    ``(runs * units, d)``, as the two-launch kernel's runs of blocks."""
+    per_run = m // runs
+    return max(1, min(-(-cluster_units(m, d, sms) // runs), cluster_units(per_run, d, sms)))
 
 
 def kernel_name(op, dtype, r, maxv):

@@ -158,8 +158,9 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()
     # dtype and the compute capability only)
     path = "tile" if tiles == 1 else build.backward_path(op, dtype, d, _compute_capability())
     sms = _sm_count() if tiles > 1 else None
-    if path == "cluster":  # never a modulated op (build.CLUSTER_OPS): one run
-        units = blocks = build.cluster_units(m, d, sms)
+    if path == "cluster":  # runs (one unless modulated) of `blocks` whole clusters each
+        blocks = build.cluster_run_units(m, d, runs, sms)
+        units = runs * blocks
     else:
         # each run takes m / runs rows: about the blocks of the whole grid shared out, at least 1
         blocks = -(-build.grid("bwd", m, r, d, tiles, sms) // runs)
@@ -189,7 +190,7 @@ def _launch_backward(op, dtype, m, d, rows, stats, weight, dx, with_bias, mod=()
         if fn.max_dynamic_shared_size_bytes < shared:  # the opt-in above the 48 KiB default
             fn.max_dynamic_shared_size_bytes = shared
         try:
-            fn((units * build.CLUSTER,), (r,), args, shared_mem=shared)
+            fn((runs * blocks * build.CLUSTER,), (r,), args, shared_mem=shared)
         except cupy.cuda.driver.CUDADriverError as error:
             # the driver refuses the launch itself (no 8 SMs of one GPC to give the cluster: a
             # MIG slice...): this device takes the two-launch kernel from now on, for every d

@@ -9,12 +9,14 @@
 // once. Longer rows are processed tile by tile: the forward (*_fwd_long, 512 threads a row, two
 // blocks an SM) reads them a second time to write the result. The backward of longer rows:
 // - on compute capability 9.x (H100, H200), for rows of up to 65536 elements (32768 float64;
-//   LayerNorm, RMSNorm and their fused residual add): norm_bwd_cluster, a cluster of 8 blocks
-//   per row, each staging its slice of x and dy in shared memory, the row's two sums exchanged
-//   through distributed shared memory; x and dy read once (12 bytes an element for float32);
-// - otherwise (sm_80, longer rows, the modulated backward): norm_bwd_long, which forms the
-//   rows' sums in one launch and dx and the parameter gradients by tiles of columns in a
-//   second, reading the rows twice.
+//   LayerNorm, RMSNorm, their fused residual add and the modulated LayerNorm of AdaLN and
+//   GroupNorm): norm_bwd_cluster, a cluster of 8 blocks per row, each staging its slice of x
+//   and dy in shared memory, the row's two sums exchanged through distributed shared memory;
+//   x and dy read once (12 bytes an element for float32); the modulated backward's clusters
+//   in runs, one run per parameter row (ModRows);
+// - otherwise (sm_80, longer rows): norm_bwd_long, which forms the rows' sums in one launch
+//   and dx and the parameter gradients by tiles of columns in a second, reading the rows
+//   twice.
 // lnlib/_cuda/build.py (backward_path) picks the path from d, the dtype and the compute
 // capability alone. None of these kernels has run on a GPU yet: they are checked by
 // compilation (tests/test_cuda_compile.py) and by the launch checks without a GPU.
@@ -563,7 +565,8 @@ __device__ __forceinline__ void cluster_sync() {
 // time, block `rank` of the cluster owning the row's chunks rank * S .. rank * S + S - 1 (S =
 // ceil(chunks / LNLIB_CLUSTER)), thread t of it the chunks rank * S + s * R + t (s < MAXV).
 // For each of its rows (cluster u = blockIdx.x / LNLIB_CLUSTER takes rows u, u + units, ...,
-// units = gridDim.x / LNLIB_CLUSTER) a block
+// units = gridDim.x / LNLIB_CLUSTER; with MOD, the grid is mods runs of `units` clusters and
+// the u-th cluster of run p takes the run's rows u, u + units, ... of ModRows) a block
 // - copies its chunks of x and dy (h for the fused add) into its shared memory (dynamic: two
 //   buffers of S chunks each of x and dy), by cp.async where the row is aligned, the next row's
 //   copies issued before this row's work so that they are in flight during its barriers; each
@@ -575,7 +578,8 @@ __device__ __forceinline__ void cluster_sync() {
 //   has bitwise the same row sums;
 // - writes dx from the staged chunks and adds dy * xhat and dy to the partial sums of its
 //   columns, kept in registers over all the cluster's rows and written once to row u of
-//   dw_part and db_part (units, d), which param_grad_sum adds as for the other kernels.
+//   dw_part and db_part (units, d; with MOD, row p * units + u of (mods * units, d)), which
+//   param_grad_sum adds as for the other kernels (run by run with MOD).
 // x and dy are read once, dx written once: 12 bytes an element for float32 (plus dh for the
 // fused add). The row sums are added in another order than norm_bwd's (by blocks of the
 // cluster, then ranks), fixed by d alone: every row of one d takes this path on a GPU of
@@ -618,17 +622,29 @@ __device__ __forceinline__ void stage_chunk(typename lnlib::Raw<V * sizeof(T)>::
     *dst = raw;
 }
 
-template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, typename A>
+template <typename TY, typename T, int R, int MAXV, bool CENTER, bool ADD, bool MOD = false,
+          typename A>
 __device__ __forceinline__ void norm_bwd_cluster(const TY* dy, long long lddy, const T* x,
                                                  long long ldx, const T* dh, long long lddh,
                                                  const A* mean, const A* rstd, const A* weight,
                                                  T* dx, long long lddx, A* dw_part, A* db_part,
-                                                 long long m, int d, int vec_ok) {
+                                                 long long m, int d, int vec_ok,
+                                                 long long group = 1, long long mods = 1) {
     typedef typename lnlib::Raw<Vec<T>::n * sizeof(T)>::type WX;
     typedef typename lnlib::Raw<Vec<T>::n * sizeof(TY)>::type WY;
     const int V = Vec<T>::n, C = LNLIB_CLUSTER, t = threadIdx.x, lane = threadIdx.x % 32;
     const int rank = (int)__clusterRelativeBlockRank();
-    const long long units = gridDim.x / C, u = blockIdx.x / C;
+    // The rows of the cluster (ModRows: with MOD, the grid is mods runs of whole clusters, run
+    // p taking the rows of parameter row p only): units clusters a run, this one the u-th.
+    const ModRows<MOD> rows(m, group, mods);
+    const long long units = rows.blocks / C, u = rows.block / C;
+    if (MOD) {  // the run's first row, its parameter row, and its units' partial-sum rows
+        dy += rows.first * lddy, x += rows.first * ldx, dx += rows.first * lddx;
+        mean += rows.first, rstd += rows.first;
+        if (weight) weight += rows.param * d;
+        dw_part += rows.param * units * d;
+        if (CENTER) db_part += rows.param * units * d;
+    }
     const int chunks = d / V + (d % V != 0);
     const int slice = chunks / C + (chunks % C != 0);
     const int c0 = rank * slice, own = max(0, min(slice, chunks - c0));
@@ -653,10 +669,11 @@ __device__ __forceinline__ void norm_bwd_cluster(const TY* dy, long long lddy, c
         }
         copy_commit();
     };
-    if (u < m) stage(u, 0);
+    if (u < rows.count) stage(rows.row(u), 0);
     int buf = 0;
-    for (long long row = u; row < m; row += units, buf ^= 1) {
-        if (row + units < m) stage(row + units, buf ^ 1);
+    for (long long k = u; k < rows.count; k += units, buf ^= 1) {
+        const long long row = rows.row(k);
+        if (k + units < rows.count) stage(rows.row(k + units), buf ^ 1);
         else copy_commit();  // an empty group: the wait below is the same
         copy_wait<1>();      // this row's chunks are in
         const A mu = CENTER ? mean[row] : A(0), rs = rstd[row];
@@ -720,7 +737,7 @@ __device__ __forceinline__ void norm_bwd_cluster(const TY* dy, long long lddy, c
         }
     }
     cluster_sync();  // no block leaves while another may still read its sums
-    if (u >= m) return;
+    if (u >= rows.count) return;
 #pragma unroll
     for (int s = 0; s < MAXV; ++s) {
         const int q = s * R + t;
@@ -1068,6 +1085,26 @@ modulated_layer_norm_bwd_long(const T* dy, long long lddy, const T* x, long long
                                                     d, vec_ok, c, phase, group,
                                                     mods);
 }
+
+// The sm_90 long-row backward of the modulated LayerNorm (norm_bwd_cluster with MOD): mods
+// runs of whole clusters, each cluster taking rows of one parameter row, so that its units'
+// partial sums, rows p * units .. p * units + units - 1 of dw_part and db_part, are those of
+// parameter row p (build.cluster_run_units).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+template <typename T, int R, int MAXV>
+__global__ void __launch_bounds__(R, 1) __cluster_dims__(LNLIB_CLUSTER, 1, 1)
+modulated_layer_norm_bwd_cluster(const T* dy, long long lddy, const T* x, long long ldx,
+                                 const typename Acc<T>::type* mean,
+                                 const typename Acc<T>::type* rstd,
+                                 const typename Acc<T>::type* weight, T* dx, long long lddx,
+                                 typename Acc<T>::type* dw_part, typename Acc<T>::type* db_part,
+                                 long long m, int d, int vec_ok, long long group,
+                                 long long mods) {
+    norm_bwd_cluster<T, T, R, MAXV, true, false, true>(dy, lddy, x, ldx, (const T*)0, 0, mean,
+                                                       rstd, weight, dx, lddx, dw_part, db_part,
+                                                       m, d, vec_ok, group, mods);
+}
+#endif
 
 // The column sums of blockIdx.y separate partial buffers (units, d) one after the other
 // (gridDim.y > 1: a modulated backward's runs), into rows blockIdx.y of out (gridDim.y, d).
