@@ -85,16 +85,54 @@ def model_forward(x, weight, bias, eps, group, mods):
     return y.astype(x.dtype), mean, rstd
 
 
-def model_backward(dy, x, mean, rstd, weight, group, mods):
-    """dx with per-row weight weight[p]; dweight, dbias (mods, D) summed per parameter row."""
-    p = _param_index(x.shape[0], group, mods)
+#: What a cluster of the modulated cluster kernel may get wrong (a flawed model, which the
+#: checks below must catch): rows numbered over the whole grid, as without MOD, so a cluster
+#: mixes parameter rows; its partial sums written at u * mods + p, runs interleaved, not at
+#: p * units + u, the layout _column_sum reduces run by run.
+CLUSTER_FLAWS = ("rows of the whole grid", "runs interleaved")
+
+
+def cluster_partials(terms, group, mods, flaw=None):
+    """The partial buffers (mods * units, D) the modulated cluster kernel writes for each of
+    ``terms`` ((M, D) arrays: dy * xhat, dy), transcribed from norms.cu (norm_bwd_cluster with
+    MOD, ModRows) and the launch (cuda_kernel._launch_backward): ``units`` =
+    build.cluster_run_units clusters a run; the u-th cluster of run p adds the run's rows u,
+    u + units, ... (run_rows) in that order and writes row p * units + u."""
+    m, d = terms[0].shape
+    units = build.cluster_run_units(m, d, mods, build.DEFAULT_SMS)
+    parts = [np.zeros((mods * units, d)) for _ in terms]
+    for p in range(mods):
+        rows = run_rows(m, group, mods, p)
+        for u in range(units):
+            at = u * mods + p if flaw == CLUSTER_FLAWS[1] else p * units + u
+            taken = rows[u::units]
+            if flaw == CLUSTER_FLAWS[0]:
+                taken = list(range(m))[p * units + u :: mods * units]
+            for part, t in zip(parts, terms):
+                for row in taken:
+                    part[at] += t[row]
+    return parts, units
+
+
+def model_backward(dy, x, mean, rstd, weight, group, mods, flaw=None):
+    """dx with per-row weight weight[p]; dweight, dbias (mods, D) summed per parameter row: for
+    rows the cluster kernel takes (build.backward_path on build.DEFAULT_CC, an H100/H200), by
+    its units (cluster_partials) then each run's units added (_column_sum with runs), else
+    row by row."""
+    m, d = x.shape
+    p = _param_index(m, group, mods)
     dy64 = dy.astype(np.float64)
     xhat = (x.astype(np.float64) - mean[:, None]) * rstd[:, None]
     g = dy64 if weight is None else dy64 * weight[p]
     dx = rstd[:, None] * (g - g.mean(1, keepdims=True) - xhat * (g * xhat).mean(1, keepdims=True))
-    dw, db = np.zeros((mods, x.shape[1])), np.zeros((mods, x.shape[1]))
-    np.add.at(dw, p, dy64 * xhat)
-    np.add.at(db, p, dy64)
+    path = build.backward_path("modulated_layer_norm_bwd", x.dtype, d, build.DEFAULT_CC)
+    if path == "cluster":
+        (pw, pb), units = cluster_partials((dy64 * xhat, dy64), group, mods, flaw)
+        dw, db = (part.reshape(mods, units, d).sum(axis=1) for part in (pw, pb))
+    else:
+        dw, db = np.zeros((mods, d)), np.zeros((mods, d))
+        np.add.at(dw, p, dy64 * xhat)
+        np.add.at(db, p, dy64)
     return dx.astype(x.dtype), dw, db
 
 
@@ -102,6 +140,75 @@ MODELS = {
     "modulated_layer_norm_forward": model_forward,
     "modulated_layer_norm_backward": model_backward,
 }
+
+#: (m, d, group, mods) of long rows the cluster kernel takes on an H100/H200: group 1 (AdaLN per
+#: position, GroupNorm: G runs of N rows) and mods * group = m (AdaLN per sample), float32 rows
+#: of 20000 and 65536, with one to several rows a cluster.
+LONG_MOD = [(64, 20000, 1, 4), (48, 20000, 12, 4), (12, 65536, 1, 3), (48, 65536, 16, 3)]
+
+
+@pytest.mark.parametrize("m,d,group,mods", LONG_MOD)
+def test_cluster_runs_take_each_row_once_for_its_parameter_row(m, d, group, mods):
+    """The modulated backward of long rows takes the cluster kernel on an H100/H200, in runs of
+    build.cluster_run_units clusters (at least one a run, at most a run's rows), which take every
+    row of their parameter row once; the model's parameter gradients by those units equal the
+    row-by-row sums, and each flawed model (CLUSTER_FLAWS) gives others."""
+    op = "modulated_layer_norm_bwd"
+    assert build.backward_path(op, "float32", d, build.DEFAULT_CC) == "cluster"
+    assert build.backward_path(op, "float32", d, 80) == "long"
+    units = build.cluster_run_units(m, d, mods, build.DEFAULT_SMS)
+    assert 1 <= units <= m // mods
+    assert units == min(-(-build.cluster_units(m, d) // mods), m // mods)
+    # each row of the run its own term: which partial row took which row
+    ident = np.eye(m)
+    (part,), got_units = cluster_partials((ident,), group, mods)
+    assert got_units == units and part.shape == (mods * units, m)
+    owner = np.argmax(part, axis=0)  # the partial row of each row
+    assert np.array_equal(part.sum(axis=0), np.ones(m))  # every row once
+    assert np.array_equal(owner // units, _param_index(m, group, mods))  # in its own run
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    dy = rng.standard_normal((m, d)).astype(np.float32)
+    weight = 1 + 0.1 * rng.standard_normal((mods, d))
+    _y, mean, rstd = model_forward(x, weight, weight, 1e-5, group, mods)
+    dx, dw, db = model_backward(dy, x, mean, rstd, weight, group, mods)
+    p = _param_index(m, group, mods)
+    xhat = (x.astype(np.float64) - mean[:, None]) * rstd[:, None]
+    for got, terms in ((dw, dy * xhat), (db, dy.astype(np.float64))):
+        want = np.stack([terms[p == q].sum(axis=0) for q in range(mods)])
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        for flaw in CLUSTER_FLAWS:
+            flawed = model_backward(dy, x, mean, rstd, weight, group, mods, flaw)
+            bad = flawed[1] if got is dw else flawed[2]
+            assert not np.allclose(bad, want, rtol=1e-6, atol=1e-6), flaw
+
+
+@pytest.mark.parametrize("d", [20000, 65536])
+def test_long_rows_through_the_model_match_the_cpu_path(rng, d):
+    """AdaLN (per sample and per position) and GroupNorm with rows the cluster kernel takes,
+    through the model of its runs and units, against the CPU paths."""
+    per = d // 8
+    cases = [((2, 3, d), (2, 1, d), (2, 1, d), 1), ((4, 2, 8, per), (1, 2, 1, per), (8, per), 1)]
+    for case in cases:
+        x, shift, scale, dy, k = _ada_data(rng, case)
+        want = _ada(x, shift, scale, dy, k)
+        with through_the_model():
+            got = _ada(x, shift, scale, dy, k)
+        for name, g, w in zip(("y", "mean", "rstd", "dx", "dshift", "dscale"), got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=f"{name} {case}")
+    x = rng.standard_normal((6, 8, d // 4)) * 2 + 0.5  # GroupNorm, 2 groups: rows of d
+    w, b = 1 + 0.5 * rng.standard_normal(8), rng.standard_normal(8)
+    dy = rng.standard_normal(x.shape)
+    assert build.backward_path("modulated_layer_norm_bwd", x.dtype, d, build.DEFAULT_CC) == (
+        "cluster" if d <= 32768 else "long"  # float64 rows: up to 32768 in the cluster kernel
+    )
+    want = lnlib.group_norm_forward(x, 2, w, b)
+    want += lnlib.group_norm_backward(dy, x, *want[1:], 2, w)
+    with through_the_model():
+        got = lnlib.group_norm_forward(x, 2, w, b)
+        got += lnlib.group_norm_backward(dy, x, *got[1:], 2, w)
+    for name, a, e in zip(("y", "mean", "rstd", "dx", "dweight", "dbias"), got, want):
+        np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-12, err_msg=name)
 
 
 @contextlib.contextmanager
@@ -224,6 +331,12 @@ def test_ada_on_the_gpu_against_float64(
 ):
     if grid_threads:  # a few blocks a run: each unit takes many rows
         monkeypatch.setitem(build.GRID_THREADS, "bwd", grid_threads)
+    check_ada_against_float64(rng, cupy, xshape, mshape, dtype)
+
+
+def check_ada_against_float64(rng, cupy, xshape, mshape, dtype):
+    """AdaLN on the GPU against float64: y, mean, rstd, dx within the file's tolerances, dshift
+    and dscale within assert_sums_close."""
     x, shift, scale, dy, k = _ada_data(rng, (xshape, mshape, mshape, 1), dtype)
     got = [_host(a) for a in _ada(*(cupy.asarray(a) for a in (x, shift, scale, dy)), k)]
     want = _ada(*(a.astype(np.float64) for a in (x, shift, scale, dy)), k)
@@ -241,6 +354,11 @@ def test_ada_on_the_gpu_against_float64(
 @pytest.mark.parametrize("shape,g", GROUP_CASES + [((16, 64, 32, 32), 32), ((2, 32, 100, 100), 8)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_group_norm_on_the_gpu_against_float64(rng, cupy, shape, g, dtype):
+    check_group_norm_against_float64(rng, cupy, shape, g, dtype)
+
+
+def check_group_norm_against_float64(rng, cupy, shape, g, dtype):
+    """GroupNorm on the GPU, with and without the affine, against float64 as the AdaLN check."""
     x = (rng.standard_normal(shape) * 2 + 0.5).astype(dtype)
     w = (1 + 0.5 * rng.standard_normal(shape[1])).astype(dtype)
     b = rng.standard_normal(shape[1]).astype(dtype)
@@ -264,6 +382,89 @@ def test_group_norm_on_the_gpu_against_float64(rng, cupy, shape, g, dtype):
         abs_dw, abs_db = (np.abs(t).sum(axis=(0, 2)) for t in (dyc * xhat, dyc))
         assert_sums_close(got[4], want[4], abs_dw, terms, dtype, "dweight")
         assert_sums_close(got[5], want[5], abs_db, terms, dtype, "dbias")
+
+
+# The modulated cluster kernel (compute capability 9.x: H100, H200) -------------------------
+
+#: AdaLN rows the cluster kernel takes: per sample (group = T, mods = B) and per position (group
+#: 1), rows of 20000 and 65536; GroupNorm (group 1, G runs of N rows) rows of 16384 and 65536.
+#: With the grid as shipped (32 clusters on 132 SMs) 5, 4, 2, 2 and 2 rows a cluster; capped
+#: to 8 clusters (GRID_THREADS["bwd"] = 4096), 20, 16, 8, 8 and 8.
+GPU_CLUSTER_ADA = [
+    ((4, 40, 20000), (4, 1, 20000)),
+    ((32, 4, 20000), (1, 4, 20000)),
+    ((2, 32, 65536), (2, 1, 65536)),
+]
+GPU_CLUSTER_GROUP = [((32, 8, 64, 64), 2), ((16, 16, 128, 128), 4)]
+CLUSTER_GRID = [None, 4096]
+
+
+def use_cluster_kernel(cupy, d, dtype):
+    """Skip unless the modulated backward of ``dtype`` rows of ``d`` takes the cluster kernel on
+    this GPU (compute capability 9.x, and 32768 elements at most for float64)."""
+    cc = cuda_kernel._compute_capability()
+    if build.backward_path("modulated_layer_norm_bwd", dtype, d, cc) != "cluster":
+        pytest.skip(f"no cluster kernel for {np.dtype(dtype).name} rows of {d} on cc {cc}")
+
+
+def _rows_a_cluster(m, d, mods):
+    units = build.cluster_run_units(m, d, mods, cuda_kernel._sm_count())
+    return (m // mods) // units
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid_threads", CLUSTER_GRID)
+@pytest.mark.parametrize("xshape,mshape", GPU_CLUSTER_ADA)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ada_cluster_kernel_against_float64(
+    rng, cupy, monkeypatch, xshape, mshape, dtype, grid_threads
+):
+    """The modulated cluster kernel under AdaLN's layouts, several rows a cluster."""
+    use_cluster_kernel(cupy, xshape[-1], dtype)
+    if grid_threads:
+        monkeypatch.setitem(build.GRID_THREADS, "bwd", grid_threads)
+    layout, group, mods = ada_norm._param_layout(xshape, 1, mshape, mshape)
+    assert _rows_a_cluster(int(np.prod(xshape[:-1])), xshape[-1], mods) >= 2, (group, mods)
+    check_ada_against_float64(rng, cupy, xshape, mshape, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid_threads", CLUSTER_GRID)
+@pytest.mark.parametrize("shape,g", GPU_CLUSTER_GROUP)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_group_norm_cluster_kernel_against_float64(
+    rng, cupy, monkeypatch, shape, g, dtype, grid_threads
+):
+    """The modulated cluster kernel under GroupNorm's layout (G runs), several rows a cluster."""
+    d = shape[1] // g * int(np.prod(shape[2:]))
+    use_cluster_kernel(cupy, d, dtype)
+    if grid_threads:
+        monkeypatch.setitem(build.GRID_THREADS, "bwd", grid_threads)
+    assert _rows_a_cluster(shape[0] * g, d, g) >= 2
+    check_group_norm_against_float64(rng, cupy, shape, g, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [20000, 65536])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cluster_kernel_dx_is_bitwise_independent_of_the_batch(rng, cupy, d, dtype):
+    """dx of AdaLN (per sample) and GroupNorm rows by the modulated cluster kernel: the same bits
+    for rows 2-3 of 6 samples as for those two samples alone (other runs, units and mods)."""
+    use_cluster_kernel(cupy, d, dtype)
+    x, shift, scale, dy, k = _ada_data(rng, ((6, 5, d), (6, 1, d), (6, 1, d), 1), dtype)
+    on = [cupy.asarray(a) for a in (x, shift, scale, dy)]
+    full = [_host(a) for a in _ada(*on, k)[:4]]
+    part = [_host(a) for a in _ada(*(a[2:4] for a in on), k)[:4]]
+    for name, f, p in zip(("y", "mean", "rstd", "dx"), full, part):
+        assert np.array_equal(f[2:4], p, equal_nan=True), name
+    xg = cupy.asarray((rng.standard_normal((6, 8, d // 4)) * 2).astype(dtype))  # rows of d
+    dyg = cupy.asarray(rng.standard_normal((6, 8, d // 4)).astype(dtype))
+    wg = cupy.asarray(rng.standard_normal(8).astype(dtype))
+    dx = []
+    for sl in (slice(None), slice(2, 4)):
+        fwd = lnlib.group_norm_forward(xg[sl], 2, wg, wg)
+        dx.append(_host(lnlib.group_norm_backward(dyg[sl], xg[sl], *fwd[1:], 2, wg)[0]))
+    assert np.array_equal(dx[0][2:4], dx[1], equal_nan=True)
 
 
 @pytest.mark.gpu
