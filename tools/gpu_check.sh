@@ -25,12 +25,14 @@ status=0
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
 # step NAME LIMIT_S LOG COMMAND...: run under `timeout`, append to LOG, record status and time.
-# A sanitizer that says the device is not supported is a SKIP, not a FAIL.
+# At the limit the command gets SIGINT first (pytest then stops and still prints its summary of
+# what failed so far), SIGKILL 10 s later. A sanitizer that says the device is not supported is
+# a SKIP, not a FAIL.
 step() {
     local name=$1 limit=$2 log=$3 start=$SECONDS rc
     shift 3
     echo "=== $name: $*" >> "$OUT/$log"
-    timeout --kill-after=10 "$limit" "$@" >> "$OUT/$log" 2>&1
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >> "$OUT/$log" 2>&1
     rc=$?
     local took=$((SECONDS - start))
     if [ $rc -eq 0 ]; then
