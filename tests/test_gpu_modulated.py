@@ -211,6 +211,107 @@ def test_long_rows_through_the_model_match_the_cpu_path(rng, d):
         np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-12, err_msg=name)
 
 
+#: The lines of norms.cu that number the modulated cluster kernel's blocks, rows and partial
+#: rows (ModRows's constructor and row(), norm_bwd_cluster with MOD), which cluster_grid below
+#: transcribes: the test fails if one of them changes, so the transcription follows the kernel.
+CLUSTER_SOURCE_LINES = {
+    "ModRows": [
+        "blocks = MOD ? gridDim.x / mods : gridDim.x;",
+        "param = MOD ? blockIdx.x / blocks : 0;",
+        "block = blockIdx.x - param * blocks;",
+        "count = MOD ? m / mods : m;",
+        "first = param * group;",
+        "stride = MOD && group == 1 ? mods : 1;",
+        "__device__ __forceinline__ long long row(long long k) const"
+        " { return MOD ? k * stride : k; }",
+    ],
+    "norm_bwd_cluster": [
+        "const ModRows<MOD> rows(m, group, mods);",
+        "const long long units = rows.blocks / C, u = rows.block / C;",
+        "dy += rows.first * lddy, x += rows.first * ldx, dx += rows.first * lddx;",
+        "mean += rows.first, rstd += rows.first;",
+        "if (weight) weight += rows.param * d;",
+        "dw_part += rows.param * units * d;",
+        "if (CENTER) db_part += rows.param * units * d;",
+        "if (u < rows.count) stage(rows.row(u), 0);",
+        "for (long long k = u; k < rows.count; k += units, buf ^= 1) {",
+        "const long long row = rows.row(k);",
+        "if (u >= rows.count) return;",
+        "dw_part[u * d + i] = pw[s][j];",
+    ],
+}
+
+
+def _cuda_source_parts():
+    """ModRows and norm_bwd_cluster's body in norms.cu, each as its stripped lines."""
+    import re
+
+    src = build.source()
+    mod_rows = re.search(r"template <bool MOD> struct ModRows \{\n(.*?)\n\};", src, re.DOTALL)
+    body = re.search(r"void norm_bwd_cluster\((.*?)\n#endif", src, re.DOTALL)
+    assert mod_rows and body, "ModRows or norm_bwd_cluster not found in norms.cu"
+    return {
+        name: {line.strip() for line in part.group(1).splitlines()}
+        for name, part in (("ModRows", mod_rows), ("norm_bwd_cluster", body))
+    }
+
+
+def cluster_grid(m, group, mods, blocks_in_grid, cluster=build.CLUSTER):
+    """What each block of the modulated cluster kernel's grid takes, transcribed from the lines
+    of CLUSTER_SOURCE_LINES: for blockIdx.x b, ``(cluster b // CLUSTER, parameter row, partial
+    row p * units + u, its rows)``, the rows as global row numbers (rows.first added)."""
+    out = []
+    for b in range(blocks_in_grid):
+        blocks = blocks_in_grid // mods  # ModRows (MOD): the run's blocks, its parameter row
+        param = b // blocks
+        block = b - param * blocks
+        count, first = m // mods, param * group
+        stride = mods if group == 1 else 1
+        units, u = blocks // cluster, block // cluster  # norm_bwd_cluster
+        rows = [first + k * stride for k in range(u, count, units)]
+        out.append((b // cluster, param, param * units + u if u < count else None, rows))
+    return out
+
+
+@pytest.mark.parametrize(
+    "m,group,mods", [(64, 1, 4), (48, 12, 4), (12, 1, 3), (48, 16, 3), (7, 7, 1), (9, 1, 9)]
+)
+@pytest.mark.parametrize("grid_threads", [None, 4096, 512])
+def test_the_cluster_kernels_grid_takes_each_row_once_in_whole_clusters(
+    monkeypatch, m, group, mods, grid_threads
+):
+    """The blocks of the grid the host launches (cuda_kernel._launch_backward: runs *
+    build.cluster_run_units * CLUSTER), numbered as norms.cu numbers them (cluster_grid, its
+    lines pinned to the source): the CLUSTER blocks of a cluster take the same rows (the same
+    trip count: the cluster barriers of each row pair up), of their own parameter row; every
+    row is taken once; each cluster writes one partial row, p * units + u, and the partial rows
+    (runs * units, D) are each written once, run p's at p * units .. p * units + units - 1 (what
+    _column_sum adds for parameter row p)."""
+    found = _cuda_source_parts()
+    for name, lines in CLUSTER_SOURCE_LINES.items():
+        missing = [line for line in lines if line not in found[name]]
+        assert not missing, f"norms.cu {name} changed; update cluster_grid: {missing}"
+    if grid_threads:
+        monkeypatch.setitem(build.GRID_THREADS, "bwd", grid_threads)
+    for d, sms in ((20000, 132), (65536, 114), (30000, 8)):
+        per_run = build.cluster_run_units(m, d, mods, sms)
+        taken = cluster_grid(m, group, mods, mods * per_run * build.CLUSTER)
+        clusters = {}
+        for cluster, param, part_row, rows in taken:
+            clusters.setdefault(cluster, []).append((param, part_row, rows))
+        written, seen = {}, []
+        for cluster, blocks in clusters.items():
+            assert len(blocks) == build.CLUSTER and all(b == blocks[0] for b in blocks), cluster
+            param, part_row, rows = blocks[0]
+            assert part_row is not None, (cluster, "no partial row written: uninitialized sums")
+            assert part_row // per_run == param, (cluster, part_row, param)
+            assert all((i // group) % mods == param for i in rows), (cluster, param, rows)
+            written[part_row] = written.get(part_row, 0) + 1
+            seen += rows
+        assert sorted(seen) == list(range(m)), (d, sms)
+        assert written == dict.fromkeys(range(mods * per_run), 1), (d, sms)
+
+
 @contextlib.contextmanager
 def through_the_model():
     """AdaLN and GroupNorm on NumPy arrays take the path they take on the CUDA kernels, with the
