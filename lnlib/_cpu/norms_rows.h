@@ -159,15 +159,21 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
     const T rs[2] = {rstd[0], rstd[k - 1]};
     FN(row_sum_gx)(dy, dy + (k - 1) * lddy, weight, x, x + (k - 1) * ldx, n, s);
     const T gx[2] = {(T)(s[0] * rs[0] / n), (T)(s[1] * rs[1] / n)};
-    for (ptrdiff_t i = 0; i < n; i++) {
-        T xhat = x[i] * rs[0];
-        dx[i] = rs[0] * (dy[i] * weight[i] - xhat * gx[0]);
-        double dw = dweight[i] + dy[i] * xhat;
-        if (k == 2) {
-            T xhat_b = x[ldx + i] * rs[1];
-            dx[lddx + i] = rs[1] * (dy[lddy + i] * weight[i] - xhat_b * gx[1]);
-            dw += dy[lddy + i] * xhat_b;
+    if (k == 1) { /* row a alone, as in layer_norm_backward_rows */
+        for (ptrdiff_t i = 0; i < n; i++) {
+            T xhat = x[i] * rs[0];
+            dx[i] = rs[0] * (dy[i] * weight[i] - xhat * gx[0]);
+            dweight[i] += dy[i] * xhat;
         }
+        return;
+    }
+    for (ptrdiff_t i = 0; i < n; i++) {
+        T dya = dy[i], dyb = dy[lddy + i], w = weight[i];
+        T xhat = x[i] * rs[0], xhat_b = x[ldx + i] * rs[1];
+        double dw = dweight[i] + dya * xhat;
+        dw = dw + dyb * xhat_b;
+        dx[i] = rs[0] * (dya * w - xhat * gx[0]);
+        dx[lddx + i] = rs[1] * (dyb * w - xhat_b * gx[1]);
         dweight[i] = dw;
     }
 }
