@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _docs
 from ._docs import DYT, ENTRIES, RMS, parameters
-from ._validate import affine_fills, norm_setup, normalized_shape_value
+from ._validate import affine_fills, norm_setup, normalized_shape_value, num_groups_value
 from .ada_norm import (
     ada_layer_norm_backward,
     ada_layer_norm_forward,
@@ -193,10 +193,10 @@ class AdaLN(_Layer):
     )
     def forward(self, x, c):
         shift, scale, gate = adaln_modulation(c, self.weight, self.bias)
-        expand = (slice(None),) + (None,) * (np.ndim(x) - 2)
+        expand = (slice(None),) + (None,) * (np.ndim(x) - 2)  # (B, dim) over the T of (B, T, dim)
         shift, scale, gate = shift[expand], scale[expand], gate[expand]
         y, mean, rstd = ada_layer_norm_forward(x, shift, scale, eps=self.eps)
-        self._saved = (x, c, mean, rstd, scale, expand)
+        self._saved = (x, c, mean, rstd, scale)
         return y, gate
 
     @_docs.step(
@@ -210,16 +210,10 @@ class AdaLN(_Layer):
         _docs.NO_FORWARD,
     )
     def backward(self, dy, dgate=None):
-        x, c, mean, rstd, scale, expand = self._take()
+        x, c, mean, rstd, scale = self._take()
         dx, dshift, dscale = ada_layer_norm_backward(dy, x, mean, rstd, scale)
-        squeeze = tuple(range(1, np.ndim(x) - 1))
-        dmod = [d.reshape(d.shape[0], -1) if squeeze else d for d in (dshift, dscale)]
-        if dgate is not None:
-            dgate = np.asarray(dgate)
-            dgate = dgate.sum(axis=tuple(i for i in squeeze if dgate.shape[i] != 1), keepdims=True)
-            dmod.append(dgate.reshape(dgate.shape[0], -1))
-        else:
-            dmod.append(None)
+        over = tuple(range(1, np.ndim(x) - 1))  # the axes the modulation was broadcast over
+        dmod = [None if d is None else np.sum(d, axis=over) for d in (dshift, dscale, dgate)]
         dc, self.dweight, self.dbias = adaln_modulation_backward(dmod, c, self.weight)
         return dx, dc
 
@@ -299,12 +293,8 @@ class GroupNorm(_Layer):
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
-        self.num_groups, self.num_channels, self.eps = int(num_groups), int(num_channels), eps
-        if self.num_groups < 1 or self.num_channels % self.num_groups:
-            raise ValueError(
-                f"num_groups must be >= 1 and divide num_channels = "
-                f"{self.num_channels}, got {num_groups}"
-            )
+        self.num_channels, self.eps = int(num_channels), eps
+        self.num_groups = num_groups_value(num_groups, self.num_channels, "num_channels")
         self._hold(self.num_channels, dtype, **affine_fills(affine))
 
     @_docs.layer_forward("group_norm_forward", "(N, C, ...)", "The normalized input.")

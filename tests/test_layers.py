@@ -113,6 +113,41 @@ def test_adaln_layer_gradients(rng, xshape):
     lnlib.check_grad(lambda v: one * loss_of(x, c, v), layer.weight, one, layer.dweight)
 
 
+def test_adaln_layer_dgate_none_is_zero_and_a_full_dgate_is_summed_over_t(rng):
+    """dgate=None counts as zero; a dgate of the shape of x (B, T, dim) is the gradient of the
+    gate broadcast over T, the same as its sum over T."""
+    layer = lnlib.AdaLN(6, 3, zero_init=False, rng=rng, dtype=np.float64)
+    x, c = rng.standard_normal((4, 5, 6)), rng.standard_normal((4, 3))
+    dy, dgate = rng.standard_normal(x.shape), rng.standard_normal(x.shape)
+
+    def grads(dgate):
+        return (*layer.backward(dy, dgate), layer.dweight, layer.dbias)
+
+    layer(x, c)
+    for a, b in zip(grads(None), grads(np.zeros_like(dgate))):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(grads(dgate), grads(dgate.sum(axis=1, keepdims=True))):  # that of gate
+        np.testing.assert_array_equal(a, b)
+    assert not np.allclose(grads(dgate)[1], grads(None)[1]), "the gate's gradient reaches dc"
+
+
+@pytest.mark.parametrize(
+    "num_groups, error, match",
+    [
+        (0, ValueError, "num_groups must be >= 1, got 0"),
+        (4, ValueError, "num_groups must divide num_channels = 6, got 4"),
+        (2.0, TypeError, "num_groups must be an int, got float"),
+        (True, TypeError, "num_groups must be an int, got bool"),
+    ],
+)
+def test_group_norm_layer_checks_num_groups_as_the_function_does(num_groups, error, match):
+    """The layer's check is lnlib's (_validate.num_groups_value): a float or a bool is refused,
+    not truncated by int() as it was before."""
+    with pytest.raises(error, match=match):
+        lnlib.GroupNorm(num_groups, 6)
+    assert lnlib.GroupNorm(np.int64(3), 6).num_groups == 3
+
+
 def test_adaln_zero_layer_starts_with_zero_gate_and_plain_norm(rng):
     layer = lnlib.AdaLN(6, 3)
     x = rng.standard_normal((2, 6)).astype(np.float32)
