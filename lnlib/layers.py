@@ -70,7 +70,8 @@ class _Layer:
 class _Norm(_Layer):
     """What LayerNorm and RMSNorm (and their fused forms) share: ``norm_setup`` (of
     ``lnlib/_validate.py``), then the parameters held; a forward that runs an lnlib forward on
-    ``x`` (fused: ``x`` and ``residual``) with them, for the steps :func:`_norm_steps` writes."""
+    ``x`` (fused: ``x`` and ``residual``) with them, for the steps of :func:`_norm_steps` and
+    :func:`_add_norm_steps`."""
 
     def _setup(self, normalized_shape, eps, affine, dtype, weight_offset, bias=None):
         fills = norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
@@ -80,7 +81,7 @@ class _Norm(_Layer):
         """``forward(*inputs, weight[, bias], eps=..., ...)``; save what its backward takes after
         the gradients (``x`` or ``h``, then the statistics) and keywords; return ``y`` (``y, h``
         fused)."""
-        params = (self.weight, self.bias) if "bias" in self._params else (self.weight,)
+        params = [getattr(self, name) for name in self._params]
         back = {"normalized_ndim": len(self.normalized_shape), "weight_offset": self.weight_offset}
         y, *saved = forward(*inputs, *params, eps=self.eps, **back, **kw)
         if len(inputs) == 1:  # y, *stats from x; the unfused backward reads no normalized_ndim
@@ -90,41 +91,44 @@ class _Norm(_Layer):
         return y, saved[0]
 
 
-def _norm_steps(lnlib_forward, lnlib_backward, stored, result=None):
-    """Class decorator, the one pattern of the steps of a :class:`_Norm` layer: a ``forward``
-    through ``lnlib_forward`` (``x`` to ``y``, which is ``result``; for the fused add,
-    ``add_...``, ``x, residual`` to ``y, h``) and a ``backward`` through ``lnlib_backward``
-    (``dy``, fused also ``dh``, then what the forward saved) that stores the gradients
+def _own(cls, *steps):
+    """Make ``steps`` the class's own methods (for help() and the docstring gates)."""
+    for step in steps:
+        step.__qualname__ = f"{cls.__qualname__}.{step.__name__}"
+        setattr(cls, step.__name__, step)
+    return cls
+
+
+def _norm_steps(lnlib_forward, lnlib_backward, stored, result):
+    """Class decorator: the steps of a :class:`_Norm` layer, ``x`` to ``y`` (which is ``result``)
+    through ``lnlib_forward``, back through ``lnlib_backward``, which gives the gradients
     ``stored``."""
-    if lnlib_forward.__name__.startswith("add_"):
-        forward_doc, backward_doc = _docs.ADD_FORWARD, (stored, *_docs.ADD_BACKWARD)
 
-        def forward(self, x, residual):
-            return self._forward(lnlib_forward, x, residual, residual_dtype=self.residual_dtype)
+    @_docs.layer_forward(lnlib_forward.__name__, "(*lead, *normalized_shape)", result)
+    def forward(self, x):
+        return self._forward(lnlib_forward, x)
 
-        def backward(self, dy, dh=None):
-            saved, kw = self._take()
-            return self._keep(*lnlib_backward(dy, dh, *saved, self.weight, **kw))
+    @_docs.layer_backward(lnlib_backward.__name__, stored)
+    def backward(self, dy):
+        saved, kw = self._take()
+        return self._keep(*lnlib_backward(dy, *saved, self.weight, **kw))
 
-    else:
-        forward_doc, backward_doc = ("(*lead, *normalized_shape)", result), (stored,)
+    return lambda cls: _own(cls, forward, backward)
 
-        def forward(self, x):
-            return self._forward(lnlib_forward, x)
 
-        def backward(self, dy):
-            saved, kw = self._take()
-            return self._keep(*lnlib_backward(dy, *saved, self.weight, **kw))
+def _add_norm_steps(lnlib_forward, lnlib_backward, stored):
+    """The same for a fused form: ``x, residual`` to ``y, h``; ``dy`` and ``dh`` back."""
 
-    def make(cls):
-        _docs.layer_forward(lnlib_forward.__name__, *forward_doc)(forward)
-        _docs.layer_backward(lnlib_backward.__name__, *backward_doc)(backward)
-        for step in (forward, backward):  # the class's own methods, for help() and the gates
-            step.__qualname__ = f"{cls.__qualname__}.{step.__name__}"
-            setattr(cls, step.__name__, step)
-        return cls
+    @_docs.layer_forward(lnlib_forward.__name__, *_docs.ADD_FORWARD)
+    def forward(self, x, residual):
+        return self._forward(lnlib_forward, x, residual, residual_dtype=self.residual_dtype)
 
-    return make
+    @_docs.layer_backward(lnlib_backward.__name__, stored, *_docs.ADD_BACKWARD)
+    def backward(self, dy, dh=None):
+        saved, kw = self._take()
+        return self._keep(*lnlib_backward(dy, dh, *saved, self.weight, **kw))
+
+    return lambda cls: _own(cls, forward, backward)
 
 
 @_params
@@ -192,9 +196,8 @@ class AdaLN(_Layer):
         ":func:`lnlib.adaln_modulation` and :func:`lnlib.ada_layer_norm_forward`",
     )
     def forward(self, x, c):
-        shift, scale, gate = adaln_modulation(c, self.weight, self.bias)
         expand = (slice(None),) + (None,) * (np.ndim(x) - 2)  # (B, dim) over the T of (B, T, dim)
-        shift, scale, gate = shift[expand], scale[expand], gate[expand]
+        shift, scale, gate = (m[expand] for m in adaln_modulation(c, self.weight, self.bias))
         y, mean, rstd = ada_layer_norm_forward(x, shift, scale, eps=self.eps)
         self._saved = (x, c, mean, rstd, scale)
         return y, gate
@@ -349,7 +352,7 @@ class DynamicTanh(_Layer):
 
 
 @_params
-@_norm_steps(add_layer_norm_forward, add_layer_norm_backward, "``dweight`` and ``dbias``")
+@_add_norm_steps(add_layer_norm_forward, add_layer_norm_backward, "``dweight`` and ``dbias``")
 class AddLayerNorm(LayerNorm):
     r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives
     ``(y, h)`` with ``h = residual + x`` and ``y`` the LayerNorm of ``h``.
@@ -359,13 +362,12 @@ class AddLayerNorm(LayerNorm):
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
                  dtype=np.float32, *, weight_offset=0.0, residual_dtype=None):  # fmt: skip
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, dtype,
-                         weight_offset=weight_offset)  # fmt: skip
+        self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset, bias)
         self.residual_dtype = residual_dtype
 
 
 @_rms_params
-@_norm_steps(add_rms_norm_forward, add_rms_norm_backward, "``dweight``")
+@_add_norm_steps(add_rms_norm_forward, add_rms_norm_backward, "``dweight``")
 class AddRMSNorm(RMSNorm):
     r"""The residual add fused with :class:`RMSNorm`, as :class:`AddLayerNorm` fuses it with
     :class:`LayerNorm`: ``y`` is the RMSNorm of ``h``. Covered in :ref:`sec-ch05-fused-add`.
@@ -373,6 +375,5 @@ class AddRMSNorm(RMSNorm):
 
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True,
                  dtype=np.float32, *, weight_offset=0.0, residual_dtype=None):  # fmt: skip
-        super().__init__(normalized_shape, eps, elementwise_affine, dtype,
-                         weight_offset=weight_offset)  # fmt: skip
+        self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset)
         self.residual_dtype = residual_dtype
