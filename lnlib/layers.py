@@ -34,8 +34,6 @@ from .rms_norm import rms_norm_backward, rms_norm_forward
 __all__ = ["LayerNorm", "RMSNorm", "AdaLN", "BatchNorm", "GroupNorm", "DynamicTanh"]
 __all__ += ["AddLayerNorm", "AddRMSNorm"]
 
-_params, _rms_params = parameters(ENTRIES), parameters({**ENTRIES, **RMS})
-
 
 class _Layer:
     """What the layers share: parameters held by :meth:`_hold`, a ``backward`` that takes what
@@ -131,7 +129,7 @@ def _add_norm_steps(lnlib_forward, lnlib_backward, stored):
     return lambda cls: _own(cls, forward, backward)
 
 
-@_params
+@parameters(ENTRIES)
 @_norm_steps(
     layer_norm_forward, layer_norm_backward, "``dweight`` and ``dbias``", "The normalized input."
 )
@@ -146,7 +144,7 @@ class LayerNorm(_Norm):
         self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset, bias)
 
 
-@_rms_params
+@parameters({**ENTRIES, **RMS})
 @_norm_steps(rms_norm_forward, rms_norm_backward, "``dweight``", "The rescaled input.")
 class RMSNorm(_Norm):
     """RMSNorm over the trailing ``normalized_shape`` axes, with a weight (gain).
@@ -159,7 +157,7 @@ class RMSNorm(_Norm):
         self._setup(normalized_shape, eps, elementwise_affine, dtype, weight_offset)
 
 
-@_params
+@parameters(ENTRIES)
 class AdaLN(_Layer):
     r"""Adaptive LayerNorm with its conditioning layer (adaLN-Zero by default), as in DiT.
 
@@ -221,7 +219,7 @@ class AdaLN(_Layer):
         return dx, dc
 
 
-@_params
+@parameters(ENTRIES)
 class BatchNorm(_Layer):
     """BatchNorm over (N, C, ...) with running statistics, for comparison with LayerNorm.
 
@@ -288,7 +286,7 @@ class BatchNorm(_Layer):
         return self._keep(*batch_norm_backward(dy, x, mean, rstd, self.weight, training=training))
 
 
-@_params
+@parameters(ENTRIES)
 class GroupNorm(_Layer):
     """GroupNorm over (N, C, ...) with a per-channel weight and bias, like ``torch.nn.GroupNorm``.
 
@@ -351,7 +349,7 @@ class DynamicTanh(_Layer):
         return self._keep(*dynamic_tanh_backward(dy, x, self.alpha, self.weight))
 
 
-@_params
+@parameters(ENTRIES)
 @_add_norm_steps(add_layer_norm_forward, add_layer_norm_backward, "``dweight`` and ``dbias``")
 class AddLayerNorm(LayerNorm):
     r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives
@@ -366,7 +364,7 @@ class AddLayerNorm(LayerNorm):
         self.residual_dtype = residual_dtype
 
 
-@_rms_params
+@parameters({**ENTRIES, **RMS})
 @_add_norm_steps(add_rms_norm_forward, add_rms_norm_backward, "``dweight``")
 class AddRMSNorm(RMSNorm):
     r"""The residual add fused with :class:`RMSNorm`, as :class:`AddLayerNorm` fuses it with
