@@ -254,7 +254,12 @@ def check_against_torch(xp, device, dtype, d, rng):
     _torch_close(y2, yr, tol * 2, "rms y")
     _torch_close(dx2, xr.grad, tol * 20, "rms dx")
     if dtype == np.float64:
-        for got, t, name in ((back[1], wt.grad), (back[2], bt.grad), (dw2, wr.grad)):
+        pairs = (
+            (back[1], wt.grad, "dweight"),
+            (back[2], bt.grad, "dbias"),
+            (dw2, wr.grad, "rms dw"),
+        )
+        for got, t, name in pairs:
             _torch_close(got, t, tol * 200, name)
         return
     name = np.dtype(dtype).name
