@@ -220,6 +220,17 @@ def normalized_shape_value(normalized_shape):
     return shape
 
 
+def last_axis_shape_value(normalized_shape):
+    """``normalized_shape`` of a layer over the last axis only (Dynamic Tanh): one positive size,
+    as a tuple."""
+    shape = normalized_shape_value(normalized_shape)
+    if len(shape) != 1:
+        raise ValueError(
+            f"normalized_shape must be one size (the last axis), got {normalized_shape}"
+        )
+    return shape
+
+
 def num_groups_value(num_groups, channels, what):
     """``num_groups`` as an int: an integer (not a bool), at least 1, dividing ``channels``
     (``what`` names them in the error)."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _docs
 from ._docs import DYT, ENTRIES, RMS, parameters
-from ._validate import affine_fills, norm_setup, normalized_shape_value, num_groups_value
+from ._validate import affine_fills, last_axis_shape_value, norm_setup, num_groups_value
 from .ada_norm import (
     ada_layer_norm_backward,
     ada_layer_norm_forward,
@@ -329,11 +329,7 @@ class DynamicTanh(_Layer):
     """
 
     def __init__(self, normalized_shape, alpha_init=0.5, elementwise_affine=True, dtype=np.float32):
-        self.normalized_shape = normalized_shape_value(normalized_shape)
-        if len(self.normalized_shape) != 1:
-            raise ValueError(
-                f"normalized_shape must be one size (the last axis), got {normalized_shape}"
-            )
+        self.normalized_shape = last_axis_shape_value(normalized_shape)
         self._hold((), dtype, alpha=alpha_init)
         self._hold(self.normalized_shape, dtype, **affine_fills(elementwise_affine))
 

@@ -387,7 +387,7 @@ class DynamicTanh(nn.Module):
     def __init__(self, normalized_shape, alpha_init_value=0.5, elementwise_affine=True,
                  device=None, dtype=None):  # fmt: skip
         super().__init__()
-        self.normalized_shape = _validate.normalized_shape_value(normalized_shape)
+        self.normalized_shape = _validate.last_axis_shape_value(normalized_shape)
         _learn(self, (), device, dtype, alpha=float(alpha_init_value))
         self.elementwise_affine = elementwise_affine
         _learn(self, self.normalized_shape, device, dtype, **affine_fills(elementwise_affine))

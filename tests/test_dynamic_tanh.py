@@ -147,6 +147,18 @@ def test_layer_and_torch_module(rng):
         lnlib.DynamicTanh(3).backward(np.ones((1, 3)))
 
 
+@pytest.mark.parametrize("shape", [(3, 4), ()])
+def test_layer_and_module_take_one_size_at_construction(shape):
+    """Both layers normalise over the last axis only: another normalized_shape is refused when
+    the layer is made (the torch module used to accept (3, 4) and fail at its first forward)."""
+    from lnlib import torch_bridge as tb
+
+    match = "normalized_shape must be" + (" one size" if shape else "")
+    for make in (lnlib.DynamicTanh, tb.DynamicTanh):
+        with pytest.raises(ValueError, match=match):
+            make(shape)
+
+
 @pytest.mark.parametrize(
     "call, error, words",
     [
