@@ -27,7 +27,13 @@ def test_the_step_limits_fit_in_eight_minutes():
     compile_limit = int(re.search(r'step "compile test[^"]*" (\d+)', text).group(1))
     # the two sanitizer steps run in one loop, so their limit counts twice; compile is off here
     sanitizer = int(re.search(r'step "compute-sanitizer \$tool" (\d+)', text).group(1))
-    total = sum(limits) - compile_limit + sanitizer
+    # the two GPU test runs: at once, each under TESTS_LIMIT, or one after the other, under
+    # fractions of it that add up to at most 1
+    tests_limit = int(re.search(r"^TESTS_LIMIT=(\d+)$", text, re.M).group(1))
+    assert len(re.findall(r'step "\$\w+_name" "\$TESTS_LIMIT" tests\.log [^&]*&\n', text)) == 2
+    fractions = re.findall(r'step "\$\w+_name" \$\(\(TESTS_LIMIT \* (\d+) / (\d+)\)\)', text)
+    assert len(fractions) == 2 and sum(int(a) / int(b) for a, b in fractions) <= 1, fractions
+    total = sum(limits) - compile_limit + sanitizer + tests_limit
     assert len(limits) >= 5 and total + 20 < 8 * 60, (limits, total)  # 20 s: the rest
 
 
@@ -44,6 +50,52 @@ def test_without_cupy_it_says_so_and_stops_with_a_summary(tmp_path):
     assert "missing Python packages:" in summary and "cupy" in summary
     assert "SKIP  every GPU step" in summary and "overall FAIL" in summary
     assert len(list(tmp_path.iterdir())) <= 7
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("cupy") is not None, reason="CuPy is installed in this Python"
+)
+@pytest.mark.parametrize("mode", ["Default", "Exclusive_Process"])
+def test_the_two_test_runs_each_report_into_one_log(tmp_path, mode):
+    """With a CuPy that sees no GPU (a stand-in module) and an nvidia-smi that gives the compute
+    mode: both GPU test runs (at once where the mode is Default, else one after the other) get
+    their summary line, both pytest sessions end up in tests.log, and the check fails (every GPU
+    test fails under LNLIB_REQUIRE_GPU=1; -x via PYTEST_ADDOPTS stops each at the first)."""
+    fake = tmp_path / "fake"
+    (fake / "cupy").mkdir(parents=True)
+    (fake / "cupy" / "__init__.py").write_text(
+        '__version__ = "0+stand-in"\n\n\nclass cuda:\n    is_available = staticmethod(bool)\n'
+    )
+    smi = fake / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(
+        f'#!/bin/sh\ncase "$*" in *compute_mode*) echo {mode};; *) echo stand-in;; esac\n'
+    )
+    smi.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(
+        os.environ,
+        GPU_OUT=str(out),
+        GPU_PYTHON=sys.executable,
+        PYTHONPATH=str(fake),
+        PATH=f"{smi.parent}:{os.environ['PATH']}",
+        PYTEST_ADDOPTS="-x",
+        CUPY_CACHE_DIR=str(tmp_path / "cache"),
+        TMPDIR=str(tmp_path),
+    )
+    result = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
+    )
+    summary = (out / "summary.txt").read_text()
+    assert result.returncode == 1, summary
+    runs = [line for line in summary.splitlines() if line.startswith("FAIL  GPU tests: ")]
+    assert len(runs) == 2 and all(re.search(r"exit \d+ \(\d+ s, log tests\.log\)", r) for r in runs)
+    assert ("one after the other" in summary) == (mode != "Default"), summary
+    log = (out / "tests.log").read_text()
+    assert log.count("=== GPU tests: ") == 2 and log.count("test session starts") == 2
+    assert log.count("slowest 30 durations") == 2 and "LNLIB_REQUIRE_GPU=1 but" in log
+    assert len(list(out.iterdir())) <= 7
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]  # mktemp -d's, gone
 
 
 def test_it_runs_every_test_file_with_gpu_tests():

@@ -2,8 +2,10 @@
 # One command for a machine with an NVIDIA GPU (make gpu-check): checks lnlib's CUDA path and
 # benchmarks it, writing at most 7 files, each under 16 MiB, into ${GPU_OUT:-_build/gpu}:
 #   summary.txt   every step's status (PASS, FAIL, SKIP with the reason) and time
-#   tests.log     the modules compiled into CuPy's cache (in parallel, first), the GPU tests
-#                 and the CuPy variants of the LayerNorm/RMSNorm/AdaLN tests
+#   tests.log     the modules compiled into CuPy's cache (in parallel, first), then the GPU
+#                 tests in two pytest runs at once, each under its own time limit (the kernel
+#                 tests; the CuPy variants of the LayerNorm/RMSNorm/AdaLN tests, AdaLN/GroupNorm
+#                 on the kernels and the torch bridge), each with its 30 slowest tests
 #   bench.log, gpu_<name>.json   the GPU benchmark (python -m lnlib.bench_gpu)
 #   ncu.csv       Nsight Compute: DRAM bytes read and written, L1 wavefronts, per kernel
 #   sanitizers.log   compute-sanitizer memcheck and racecheck on every kernel at small shapes
@@ -28,22 +30,25 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 # At the limit the command gets SIGINT first (pytest then stops and still prints its summary of
 # what failed so far), SIGKILL 10 s later. A sanitizer that says the device is not supported is
 # a SKIP, not a FAIL.
+# Returns 1 if the step failed (for a step run in the background, whose status=1 is lost).
+# STEP_DIR=DIR step ...: write LOG in DIR instead of $OUT (to be appended to $OUT/LOG later).
 step() {
-    local name=$1 limit=$2 log=$3 start=$SECONDS rc
+    local name=$1 limit=$2 log=$3 start=$SECONDS rc dir=${STEP_DIR:-$OUT}
     shift 3
-    echo "=== $name: $*" >> "$OUT/$log"
-    timeout --signal=INT --kill-after=10 "$limit" "$@" >> "$OUT/$log" 2>&1
+    echo "=== $name: $*" >> "$dir/$log"
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >> "$dir/$log" 2>&1
     rc=$?
     local took=$((SECONDS - start))
     if [ $rc -eq 0 ]; then
         note "PASS  $name ($took s, log $log)"
     elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-        note "FAIL  $name: timed out after $limit s (log $log)"; status=1
-    elif tail -n 40 "$OUT/$log" | grep -qi "device is not supported\|not supported on this device\|unsupported device"; then
+        note "FAIL  $name: timed out after $limit s (log $log)"; status=1; return 1
+    elif tail -n 40 "$dir/$log" | grep -qi "device is not supported\|not supported on this device\|unsupported device"; then
         note "SKIP  $name: the tool does not support this device ($took s, log $log)"
     else
-        note "FAIL  $name: exit $rc ($took s, log $log)"; status=1
+        note "FAIL  $name: exit $rc ($took s, log $log)"; status=1; return 1
     fi
+    return 0
 }
 skip() { note "SKIP  $1: $2"; }
 
@@ -92,16 +97,49 @@ fi
 step "compile every module into CuPy's cache (parallel)" 35 tests.log \
     $PY tools/gpu_warm_cache.py
 
+# The -m gpu selection (about 680 tests) in two pytest runs: the kernel tests (many rows per
+# unit, grid-stride loops, bfloat16, long rows, float16 parameter gradients against their
+# bound, the fused add) and the CuPy variants of the LayerNorm/RMSNorm/AdaLN tests with AdaLN and
+# GroupNorm on the kernels and the torch bridge. Each run has its own limit and a time-out of
+# one loses none of the other's results. They run at once (16 cores: CuPy's own elementwise and
+# reduction kernels, compiled with NVRTC on first use and not in the cache step, compile in
+# both at once), each under TESTS_LIMIT; where the GPU's compute mode is not Default (a second
+# process could not use it), one after the other, under 5/8 and 3/8 of TESTS_LIMIT. In the
+# background too, the limit's SIGINT stops pytest with its summary: timeout starts its command
+# with SIGINT's default action even where the script's background jobs ignore SIGINT (checked
+# with coreutils 9.1: under `trap '' INT`, timeout's child has SIGINT not ignored). -v: each
+# test named as it ends; --durations=30: the slowest, for the next run's limits.
+TESTS_LIMIT=160
 if has_py pytest && has_py hypothesis; then
-    per_test=()
-    has_py pytest_timeout && per_test=(-p pytest_timeout --timeout 90)
-    gpu_tests=(tests/test_gpu.py tests/test_gpu_rows.py tests/test_gpu_add_norm.py tests/test_layer_norm.py tests/test_rms_norm.py
-        tests/test_ada_norm.py
+    pytest_args=(-m gpu -v -rs --durations=30 -p no:cacheprovider)
+    has_py pytest_timeout && pytest_args+=(-p pytest_timeout --timeout 90)
+    gpu_tests_kernels=(tests/test_gpu_rows.py tests/test_gpu.py tests/test_gpu_add_norm.py)
+    gpu_tests_cupy=(tests/test_layer_norm.py tests/test_rms_norm.py tests/test_ada_norm.py
         tests/test_gpu_modulated.py)
-    has_py torch && gpu_tests+=(tests/test_torch_bridge_gpu.py)
-    step "GPU tests and the CuPy variants (LNLIB_REQUIRE_GPU=1, -m gpu)" 160 tests.log \
-        env LNLIB_REQUIRE_GPU=1 $PY -m pytest "${gpu_tests[@]}" -m gpu -q -rs -p no:cacheprovider \
-        "${per_test[@]}"
+    has_py torch && gpu_tests_cupy+=(tests/test_torch_bridge_gpu.py)
+    [ -f tests/test_bench_gpu.py ] && gpu_tests_cupy+=(tests/test_bench_gpu.py)  # AdaLN rows
+    kernels_name="GPU tests: the kernels (LNLIB_REQUIRE_GPU=1, -m gpu)"
+    cupy_name="GPU tests: the CuPy variants, AdaLN/GroupNorm, the torch bridge (-m gpu)"
+    mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n 1)
+    if [ "$mode" = Default ]; then
+        cupy_dir=$(mktemp -d)
+        step "$kernels_name" "$TESTS_LIMIT" tests.log env LNLIB_REQUIRE_GPU=1 \
+            $PY -m pytest "${gpu_tests_kernels[@]}" "${pytest_args[@]}" &
+        kernels_pid=$!
+        STEP_DIR=$cupy_dir step "$cupy_name" "$TESTS_LIMIT" tests.log env LNLIB_REQUIRE_GPU=1 \
+            $PY -m pytest "${gpu_tests_cupy[@]}" "${pytest_args[@]}" &
+        cupy_pid=$!
+        wait "$kernels_pid" || status=1
+        wait "$cupy_pid" || status=1
+        cat "$cupy_dir/tests.log" >> "$OUT/tests.log"
+        rm -rf "$cupy_dir"
+    else
+        note "GPU compute mode '${mode:-unknown}', not Default: the two test runs one after the other"
+        step "$kernels_name" $((TESTS_LIMIT * 5 / 8)) tests.log env LNLIB_REQUIRE_GPU=1 \
+            $PY -m pytest "${gpu_tests_kernels[@]}" "${pytest_args[@]}"
+        step "$cupy_name" $((TESTS_LIMIT * 3 / 8)) tests.log env LNLIB_REQUIRE_GPU=1 \
+            $PY -m pytest "${gpu_tests_cupy[@]}" "${pytest_args[@]}"
+    fi
 else
     skip "GPU tests" "pytest or hypothesis is missing"
 fi
