@@ -220,6 +220,16 @@ def normalized_shape_value(normalized_shape):
     return shape
 
 
+def size_value(n, name):
+    """``n`` as an int: an integer (not a bool), at least 1 (a layer's ``dim``, ``num_features``,
+    ``num_channels``)."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}")
+    return int(n)
+
+
 def last_axis_shape_value(normalized_shape):
     """``normalized_shape`` of a layer over the last axis only (Dynamic Tanh): one positive size,
     as a tuple."""

@@ -11,7 +11,13 @@ import numpy as np
 
 from . import _docs
 from ._docs import DYT, ENTRIES, RMS, parameters
-from ._validate import affine_fills, last_axis_shape_value, norm_setup, num_groups_value
+from ._validate import (
+    affine_fills,
+    last_axis_shape_value,
+    norm_setup,
+    num_groups_value,
+    size_value,
+)
 from .ada_norm import (
     ada_layer_norm_backward,
     ada_layer_norm_forward,
@@ -177,7 +183,8 @@ class AdaLN(_Layer):
     """
 
     def __init__(self, dim, cond_dim, eps=1e-6, zero_init=True, rng=None, dtype=np.float32):
-        self.dim, self.cond_dim, self.eps = int(dim), int(cond_dim), eps
+        self.dim, self.cond_dim = size_value(dim, "dim"), size_value(cond_dim, "cond_dim")
+        self.eps = eps
         self.weight, self.bias = adaln_zero_init(self.cond_dim, self.dim, dtype=dtype)
         if not zero_init:
             rng = np.random.default_rng() if rng is None else rng
@@ -241,6 +248,7 @@ class BatchNorm(_Layer):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype=np.float32):
         self.eps, self.momentum, self.training = eps, momentum, True
+        num_features = size_value(num_features, "num_features")
         self._hold(num_features, dtype, **affine_fills(affine))
         self.running_mean = np.zeros(num_features, dtype)
         self.running_var = np.ones(num_features, dtype)
@@ -294,7 +302,7 @@ class GroupNorm(_Layer):
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
-        self.num_channels, self.eps = int(num_channels), eps
+        self.num_channels, self.eps = size_value(num_channels, "num_channels"), eps
         self.num_groups = num_groups_value(num_groups, self.num_channels, "num_channels")
         self._hold(self.num_channels, dtype, **affine_fills(affine))
 

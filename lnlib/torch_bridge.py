@@ -356,6 +356,7 @@ class GroupNorm(nn.Module):
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
         super().__init__()
+        num_channels = _validate.size_value(num_channels, "num_channels")
         _validate.num_groups_value(num_groups, num_channels, "num_channels")
         self.num_groups, self.num_channels, self.eps = num_groups, num_channels, eps
         self.affine = affine

@@ -148,6 +148,23 @@ def test_group_norm_layer_checks_num_groups_as_the_function_does(num_groups, err
     assert lnlib.GroupNorm(np.int64(3), 6).num_groups == 3
 
 
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda n: lnlib.AdaLN(n, 3), "dim"),
+        (lambda n: lnlib.AdaLN(6, n), "cond_dim"),
+        (lambda n: lnlib.BatchNorm(n), "num_features"),
+        (lambda n: lnlib.GroupNorm(1, n), "num_channels"),
+    ],
+)
+@pytest.mark.parametrize("n, error", [(2.5, TypeError), (True, TypeError), (0, ValueError)])
+def test_layer_sizes_are_checked_not_truncated(make, name, n, error):
+    """A size that is not a positive int is refused naming it (AdaLN and GroupNorm took int()
+    of it: 2.5 became 2)."""
+    with pytest.raises(error, match=f"^{name} must be"):
+        make(n)
+
+
 def test_adaln_zero_layer_starts_with_zero_gate_and_plain_norm(rng):
     layer = lnlib.AdaLN(6, 3)
     x = rng.standard_normal((2, 6)).astype(np.float32)

@@ -330,3 +330,9 @@ def test_each_gradient_is_cast_to_the_dtype_of_its_own_input(name):
 def test_group_norm_module_names_a_bad_num_groups(num_groups, error, match):
     with pytest.raises(error, match=match):
         tb.GroupNorm(num_groups, 6)
+
+
+@pytest.mark.parametrize("n, error", [(6.0, TypeError), (0, ValueError)])
+def test_group_norm_module_names_a_bad_num_channels(n, error):
+    with pytest.raises(error, match="^num_channels must be"):
+        tb.GroupNorm(1, n)
