@@ -10,14 +10,8 @@ remembers what its last :meth:`forward` saved. A forward/backward pair is one st
 import numpy as np
 
 from . import _docs
+from . import _validate as check
 from ._docs import DYT, ENTRIES, RMS, parameters
-from ._validate import (
-    affine_fills,
-    last_axis_shape_value,
-    norm_setup,
-    num_groups_value,
-    size_value,
-)
 from .ada_norm import (
     ada_layer_norm_backward,
     ada_layer_norm_forward,
@@ -78,7 +72,7 @@ class _Norm(_Layer):
     :func:`_add_norm_steps`."""
 
     def _setup(self, normalized_shape, eps, affine, dtype, weight_offset, bias=None):
-        fills = norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
+        fills = check.norm_setup(self, normalized_shape, eps, affine, weight_offset, bias)
         self._hold(self.normalized_shape, dtype, **fills)
 
     def _forward(self, forward, *inputs, **kw):
@@ -183,8 +177,8 @@ class AdaLN(_Layer):
     """
 
     def __init__(self, dim, cond_dim, eps=1e-6, zero_init=True, rng=None, dtype=np.float32):
-        self.dim, self.cond_dim = size_value(dim, "dim"), size_value(cond_dim, "cond_dim")
-        self.eps = eps
+        self.dim, self.eps = check.size_value(dim, "dim"), eps
+        self.cond_dim = check.size_value(cond_dim, "cond_dim")
         self.weight, self.bias = adaln_zero_init(self.cond_dim, self.dim, dtype=dtype)
         if not zero_init:
             rng = np.random.default_rng() if rng is None else rng
@@ -248,8 +242,8 @@ class BatchNorm(_Layer):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype=np.float32):
         self.eps, self.momentum, self.training = eps, momentum, True
-        num_features = size_value(num_features, "num_features")
-        self._hold(num_features, dtype, **affine_fills(affine))
+        num_features = check.size_value(num_features, "num_features")
+        self._hold(num_features, dtype, **check.affine_fills(affine))
         self.running_mean = np.zeros(num_features, dtype)
         self.running_var = np.ones(num_features, dtype)
 
@@ -302,9 +296,9 @@ class GroupNorm(_Layer):
     """
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32):
-        self.num_channels, self.eps = size_value(num_channels, "num_channels"), eps
-        self.num_groups = num_groups_value(num_groups, self.num_channels, "num_channels")
-        self._hold(self.num_channels, dtype, **affine_fills(affine))
+        self.num_channels, self.eps = check.size_value(num_channels, "num_channels"), eps
+        self.num_groups = check.num_groups_value(num_groups, self.num_channels, "num_channels")
+        self._hold(self.num_channels, dtype, **check.affine_fills(affine))
 
     @_docs.layer_forward("group_norm_forward", "(N, C, ...)", "The normalized input.")
     def forward(self, x):
@@ -337,9 +331,9 @@ class DynamicTanh(_Layer):
     """
 
     def __init__(self, normalized_shape, alpha_init=0.5, elementwise_affine=True, dtype=np.float32):
-        self.normalized_shape = last_axis_shape_value(normalized_shape)
+        self.normalized_shape = check.last_axis_shape_value(normalized_shape)
         self._hold((), dtype, alpha=alpha_init)
-        self._hold(self.normalized_shape, dtype, **affine_fills(elementwise_affine))
+        self._hold(self.normalized_shape, dtype, **check.affine_fills(elementwise_affine))
 
     @_docs.layer_forward("dynamic_tanh", "(..., D)", "``weight * tanh(alpha * x) + bias``.")
     def forward(self, x):
