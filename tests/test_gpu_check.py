@@ -93,6 +93,7 @@ def test_the_two_test_runs_each_report_into_one_log(tmp_path, mode):
     assert ("one after the other" in summary) == (mode != "Default"), summary
     log = (out / "tests.log").read_text()
     assert log.count("=== GPU tests: ") == 2 and log.count("test session starts") == 2
+    assert log.count("CUPY_NVRTC_USE_PCH=1 ") == 2  # NVRTC's precompiled headers, in both
     assert log.count("slowest 30 durations") == 2 and "LNLIB_REQUIRE_GPU=1 but" in log
     assert len(list(out.iterdir())) <= 7
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]  # mktemp -d's, gone

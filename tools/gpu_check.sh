@@ -109,7 +109,12 @@ step "compile every module into CuPy's cache (parallel)" 35 tests.log \
 # with SIGINT's default action even where the script's background jobs ignore SIGINT (checked
 # with coreutils 9.1: under `trap '' INT`, timeout's child has SIGINT not ignored). -v: each
 # test named as it ends; --durations=30: the slowest, for the next run's limits.
+# CUPY_NVRTC_USE_PCH=1 (the caller's value kept): NVRTC reuses the headers every CuPy kernel
+# includes, parsed once a process, in the test runs (CuPy >= 14 with CUDA >= 12.8; CuPy's own CI
+# runs its tests so). CuPy adds --pch after forming the cache key (cupy/cuda/compiler.py,
+# v14.2.0), so the modules the cache step compiled without it are still found.
 TESTS_LIMIT=160
+PCH=${CUPY_NVRTC_USE_PCH:-1}
 if has_py pytest && has_py hypothesis; then
     pytest_args=(-m gpu -v -rs --durations=30 -p no:cacheprovider)
     has_py pytest_timeout && pytest_args+=(-p pytest_timeout --timeout 90)
@@ -121,12 +126,13 @@ if has_py pytest && has_py hypothesis; then
     kernels_name="GPU tests: the kernels (LNLIB_REQUIRE_GPU=1, -m gpu)"
     cupy_name="GPU tests: the CuPy variants, AdaLN/GroupNorm, the torch bridge (-m gpu)"
     mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n 1)
+    run_env=(env LNLIB_REQUIRE_GPU=1 CUPY_NVRTC_USE_PCH="$PCH")
     if [ "$mode" = Default ]; then
         cupy_dir=$(mktemp -d)
-        step "$kernels_name" "$TESTS_LIMIT" tests.log env LNLIB_REQUIRE_GPU=1 \
+        step "$kernels_name" "$TESTS_LIMIT" tests.log "${run_env[@]}" \
             $PY -m pytest "${gpu_tests_kernels[@]}" "${pytest_args[@]}" &
         kernels_pid=$!
-        STEP_DIR=$cupy_dir step "$cupy_name" "$TESTS_LIMIT" tests.log env LNLIB_REQUIRE_GPU=1 \
+        STEP_DIR=$cupy_dir step "$cupy_name" "$TESTS_LIMIT" tests.log "${run_env[@]}" \
             $PY -m pytest "${gpu_tests_cupy[@]}" "${pytest_args[@]}" &
         cupy_pid=$!
         wait "$kernels_pid" || status=1
@@ -134,10 +140,10 @@ if has_py pytest && has_py hypothesis; then
         cat "$cupy_dir/tests.log" >> "$OUT/tests.log"
         rm -rf "$cupy_dir"
     else
-        note "GPU compute mode '${mode:-unknown}', not Default: the two test runs one after the other"
-        step "$kernels_name" $((TESTS_LIMIT * 5 / 8)) tests.log env LNLIB_REQUIRE_GPU=1 \
+        note "GPU compute mode '${mode:-unknown}': the two test runs one after the other"
+        step "$kernels_name" $((TESTS_LIMIT * 5 / 8)) tests.log "${run_env[@]}" \
             $PY -m pytest "${gpu_tests_kernels[@]}" "${pytest_args[@]}"
-        step "$cupy_name" $((TESTS_LIMIT * 3 / 8)) tests.log env LNLIB_REQUIRE_GPU=1 \
+        step "$cupy_name" $((TESTS_LIMIT * 3 / 8)) tests.log "${run_env[@]}" \
             $PY -m pytest "${gpu_tests_cupy[@]}" "${pytest_args[@]}"
     fi
 else
