@@ -121,8 +121,7 @@ if has_py pytest && has_py hypothesis; then
     gpu_tests_kernels=(tests/test_gpu_rows.py tests/test_gpu.py tests/test_gpu_add_norm.py)
     gpu_tests_cupy=(tests/test_layer_norm.py tests/test_rms_norm.py tests/test_ada_norm.py
         tests/test_gpu_modulated.py)
-    # the torch bridge; the benchmark's AdaLN rows against torch (a small size)
-    has_py torch && gpu_tests_cupy+=(tests/test_torch_bridge_gpu.py tests/test_bench_gpu.py)
+    has_py torch && gpu_tests_cupy+=(tests/test_torch_bridge_gpu.py)
     kernels_name="GPU tests: the kernels (LNLIB_REQUIRE_GPU=1, -m gpu)"
     cupy_name="GPU tests: the CuPy variants, AdaLN/GroupNorm, the torch bridge (-m gpu)"
     mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n 1)
