@@ -154,7 +154,7 @@ step "GPU benchmark" 110 bench.log $PY -m lnlib.bench_gpu --out-dir "$OUT"
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 if [ -n "$NCU" ]; then
     METRICS=dram__bytes_read.sum,dram__bytes_write.sum,l1tex__data_pipe_lsu_wavefronts.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,gpu__time_duration.sum
-    step "ncu: bytes and wavefronts (d=4096, 65536 float32; d=768 float16)" 50 ncu.csv \
+    step "ncu: bytes and wavefronts (d=4096, 65536 float32; d=768 float16; AdaLN (16, 256, 4096) float32)" 50 ncu.csv \
         "$NCU" --profile-from-start off --metrics "$METRICS" --csv --page raw \
         $PY tools/gpu_ncu_cases.py
 else
