@@ -47,17 +47,17 @@ def _module(name):
 
 
 def select(op, xp):
-    """The row function of ``op`` for ``xp`` (NumPy or CuPy) arrays of :data:`DTYPES`: the
-    forced implementation's (:func:`use_implementation`), else the first available of :data:`AUTO`
-    (None for one of :data:`OPTIONAL_OPS` that this implementation lacks).
-    Raises what :func:`use_implementation` says; ValueError: bad LNLIB_CPU_KERNEL or threads."""
+    """The row function of ``op`` (None for an :data:`OPTIONAL_OPS` op it lacks) for ``xp``
+    arrays of :data:`DTYPES`: the forced implementation's, else the first available of
+    :data:`AUTO`. Raises as :func:`use_implementation` says; ValueError: bad LNLIB_* variables."""
     arrays = "numpy" if xp is np else "cupy"
     if arrays == "numpy":
         check_thread_setting()  # every call, small ones too
     name = _forced.get()
     if name == "auto":  # the first available (the last one always is)
-        name = next((n for n in AUTO[arrays] if _module(n).available()[0]), AUTO[arrays][-1])
-        return getattr(_module(name), op + "_rows", None)
+        for name in AUTO[arrays]:
+            if (module := _module(name)).available()[0]:
+                return getattr(module, op + "_rows", None)
     row, where = TABLE[name], f"lnlib.use_implementation({name!r}) is in force but"
     if row.arrays not in ("any", arrays):
         raise TypeError(

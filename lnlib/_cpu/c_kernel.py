@@ -620,24 +620,16 @@ def _forward(rms, suffix, x, residual, params, eps, h_dtype, out, threads=None):
     ld_x = _ld(x)
 
     def chunk(start, stop, _block_rows):
-        _ok(
-            fn(
-                rms,
-                _at(p_x, start * ld_x),
-                ld_x,
-                _at(p_r, start * ld_r),
-                ld_r,
-                p_w,
-                p_b,
-                _at(p_y, start * n),
-                _at(p_h, start * n),
-                _at(p_mean, start),
-                _at(p_rstd, start),
-                stop - start,
-                n,
-                eps,
+        px, pr, py, ph, pm, ps = p_x, p_r, p_y, p_h, p_mean, p_rstd
+        if start:  # pointers to the chunk's first row (a call of one chunk makes none)
+            px, pr, py, ph = (
+                _at(px, start * ld_x),
+                _at(pr, start * ld_r),
+                _at(py, start * n),
+                _at(ph, start * n),
             )
-        )
+            pm, ps = _at(pm, start), _at(ps, start)
+        _ok(fn(rms, px, ld_x, pr, ld_r, p_w, p_b, py, ph, pm, ps, stop - start, n, eps))
 
     rows = _state["module"].lib.NORMS_BLOCK_ROWS if fused else 1
     run_chunks(m, n, chunk, block_rows=rows, threads=_threads(threads, nbytes))
@@ -666,26 +658,13 @@ def _backward(rms, suffix, dy, dh, x, stats, weight, out, threads=None):
     ld_dy, ld_x = _ld(dy), _ld(x)
 
     def chunk(start, stop, _block_rows):
-        b = _block_of(start)
-        _ok(
-            fn(
-                rms,
-                _at(p_dy, start * ld_dy),
-                ld_dy,
-                _at(p_dh, start * ld_dh),
-                ld_dh,
-                _at(p_x, start * ld_x),
-                ld_x,
-                _at(p_mean, start),
-                _at(p_rstd, start),
-                p_w,
-                _at(p_dx, start * n),
-                _at(p_dw, b * n),
-                _at(p_db, b * n),
-                stop - start,
-                n,
-            )
-        )
+        pdy, pdh, px, pm, ps, pdx, pdw, pdb = p_dy, p_dh, p_x, p_mean, p_rstd, p_dx, p_dw, p_db
+        if start:  # pointers to the chunk's first row and its row block's column sums
+            pdy, pdh, px = _at(pdy, start * ld_dy), _at(pdh, start * ld_dh), _at(px, start * ld_x)
+            pm, ps, pdx = _at(pm, start), _at(ps, start), _at(pdx, start * n)
+            b = _block_of(start)
+            pdw, pdb = _at(pdw, b * n), _at(pdb, b * n)
+        _ok(fn(rms, pdy, ld_dy, pdh, ld_dh, px, ld_x, pm, ps, p_w, pdx, pdw, pdb, stop - start, n))
 
     rows = _state["module"].lib.NORMS_BLOCK_ROWS
     nbytes = dy.nbytes + x.nbytes + (0 if dh is None else dh.nbytes)
