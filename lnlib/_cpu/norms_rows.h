@@ -122,16 +122,17 @@ static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, con
         }
         return;
     }
+    const T *dyb = dy + lddy, *xb = x + ldx;
+    T *restrict dxb = dx + lddx;
+    const T ma = shift[0], mb = shift[1], ra = rs[0], rb = rs[1];
+    const T ga = g[0], gb = g[1], gxa = gx[0], gxb = gx[1];
     for (ptrdiff_t i = 0; i < n; i++) {
-        T dya = dy[i], dyb = dy[lddy + i], w = weight[i];
-        T xhat = (x[i] - shift[0]) * rs[0], xhat_b = (x[ldx + i] - shift[1]) * rs[1];
-        double dw = dweight[i] + dya * xhat, db = dbias[i] + dya;
-        dw = dw + dyb * xhat_b;
-        db = db + dyb;
-        dx[i] = rs[0] * (dya * w - g[0] - xhat * gx[0]);
-        dx[lddx + i] = rs[1] * (dyb * w - g[1] - xhat_b * gx[1]);
-        dweight[i] = dw;
-        dbias[i] = db;
+        T xhat_a = (x[i] - ma) * ra, xhat_b = (xb[i] - mb) * rb;
+        dx[i] = ra * (dy[i] * weight[i] - ga - xhat_a * gxa);
+        dxb[i] = rb * (dyb[i] * weight[i] - gb - xhat_b * gxb);
+        double dw = dweight[i] + dy[i] * xhat_a, db = dbias[i] + dy[i];
+        dweight[i] = dw + dyb[i] * xhat_b;
+        dbias[i] = db + dyb[i];
     }
 }
 
