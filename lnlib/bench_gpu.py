@@ -254,14 +254,20 @@ def run(
 
     rng = cp.random.default_rng(0)
     copy_gbps = copy_bandwidth(cp, repeats, calls)
-    results = []
+    results, failures = [], []
     for dtype in dtypes:
         for op in ops:
             for d in ada_widths if op == "ada_layer_norm" else widths:
-                results += bench_shape(
-                    cp, torch, op, d, np.dtype(dtype), repeats, calls, copy_gbps, rng
-                )
-                print(format_rows(results[-2:], header=not results[:-2]), flush=True)
+                try:
+                    rows = bench_shape(
+                        cp, torch, op, d, np.dtype(dtype), repeats, calls, copy_gbps, rng
+                    )
+                except Exception as exc:  # a wrong result or a CUDA error: record it, go on
+                    failures.append({"op": op, "dtype": dtype, "D": d, "error": repr(exc)})
+                    print(f"FAILED {op} {dtype} D={d}: {exc!r}", flush=True)
+                    continue
+                print(format_rows(rows, header=not results), flush=True)
+                results += rows
     return {
         "gpu": gpu_name(cp),
         "cupy": cp.__version__,
@@ -274,6 +280,7 @@ def run(
         "repeats": repeats,
         "calls_per_timing": calls,
         "results": results,
+        "failures": failures,  # shapes whose check or run raised: not in results
     }
 
 
@@ -346,6 +353,8 @@ def main(argv=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
+    if result["failures"]:
+        print(f"{len(result['failures'])} shapes failed (listed above and in the JSON)")
     return result
 
 
@@ -361,4 +370,4 @@ def _widths(p, name, text):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failures"] else 0)

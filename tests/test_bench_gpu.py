@@ -262,6 +262,30 @@ def test_main_writes_every_op(fake_cupy, tmp_path, capsys):
     assert f"wrote {path}" in out
 
 
+def test_a_failing_shape_is_recorded_and_the_rest_still_run(fake_cupy, tmp_path, monkeypatch):
+    """A shape whose check or run raises (a first run on a new GPU) is listed under "failures"
+    with its error, the other shapes still run and the JSON is still written."""
+    real = bench_gpu.bench_shape
+
+    def failing(cp, torch, op, d, dtype, *args):
+        if op == "ada_layer_norm" and dtype == np.float32:
+            raise AssertionError("AdaLN: lnlib and torch differ")
+        return real(cp, torch, op, d, dtype, *args)
+
+    monkeypatch.setattr(bench_gpu, "bench_shape", failing)
+    argv = ["--widths", "64", "--ada-widths", "64", "--dtypes", "float32,float16"]
+    result = bench_gpu.main(argv + ["--repeats", "1", "--calls", "1", "--out-dir", str(tmp_path)])
+    assert result["failures"] == [
+        {"op": "ada_layer_norm", "dtype": "float32", "D": 64,
+         "error": "AssertionError('AdaLN: lnlib and torch differ')"}
+    ]  # fmt: skip
+    got = {(r["dtype"], r["op"]) for r in result["results"]}
+    assert got == {(dt, op) for dt in ("float32", "float16") for op in bench_gpu.OPS} - {
+        ("float32", "ada_layer_norm")
+    }
+    assert json.loads((tmp_path / "gpu_fake_gpu_1.json").read_text()) == result
+
+
 def test_main_ops_subset(fake_cupy, tmp_path):
     """--ops ada_layer_norm runs AdaLN alone."""
     argv = ["--ops", "ada_layer_norm", "--ada-widths", "64", "--dtypes", "float32"]
