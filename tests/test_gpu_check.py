@@ -34,6 +34,10 @@ def test_the_step_limits_fit_in_eight_minutes():
     fractions = re.findall(r'step "\$\w+_name" \$\(\(TESTS_LIMIT \* (\d+) / (\d+)\)\)', text)
     assert len(fractions) == 2 and sum(int(a) / int(b) for a, b in fractions) <= 1, fractions
     total = sum(limits) - compile_limit + sanitizer + tests_limit
+    # a step at its limit may take --kill-after more: at most 7 steps in turn (the cache, the
+    # two test runs one after the other, the benchmark, ncu, two sanitizers)
+    kill_after = int(re.search(r"--kill-after=(\d+) ", text).group(1))
+    total += 7 * kill_after
     assert len(limits) >= 5 and total + 20 < 8 * 60, (limits, total)  # 20 s: the rest
 
 
@@ -66,6 +70,17 @@ def test_the_two_test_runs_each_report_into_one_log(tmp_path, mode):
     (fake / "cupy" / "__init__.py").write_text(
         '__version__ = "0+stand-in"\n\n\nclass cuda:\n    is_available = staticmethod(bool)\n'
     )
+    # a stand-in pytest-timeout, registered as the real one is (entry point "timeout", module
+    # pytest_timeout): the check must load it once (-p pytest_timeout made pytest stop, exit 3)
+    (fake / "pytest_timeout.py").write_text(
+        "def pytest_addoption(parser):\n    parser.addoption('--timeout', help='stand-in')\n"
+    )
+    dist = fake / "pytest_timeout_standin-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pytest-timeout-standin\nVersion: 0\n"
+    )
+    (dist / "entry_points.txt").write_text("[pytest11]\ntimeout = pytest_timeout\n")
     smi = fake / "bin" / "nvidia-smi"
     smi.parent.mkdir()
     smi.write_text(
@@ -93,6 +108,7 @@ def test_the_two_test_runs_each_report_into_one_log(tmp_path, mode):
     assert ("one after the other" in summary) == (mode != "Default"), summary
     log = (out / "tests.log").read_text()
     assert log.count("=== GPU tests: ") == 2 and log.count("test session starts") == 2
+    assert log.count("--timeout 90") == 2 and "Plugin already registered" not in log
     assert log.count("CUPY_NVRTC_USE_PCH=1 ") == 2  # NVRTC's precompiled headers, in both
     assert log.count("slowest 30 durations") == 2 and "LNLIB_REQUIRE_GPU=1 but" in log
     assert len(list(out.iterdir())) <= 7
@@ -143,3 +159,25 @@ def test_the_cache_warm_up_reports_each_module():
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert len(lines) == len(keys) + 1 and all("FAILED" in line for line in lines[:-1])
     assert lines[-1].startswith(f"{len(keys)} modules, {len(keys)} failed")
+
+
+def test_a_step_in_the_background_reports_its_failure():
+    """The two GPU test runs are steps in the background: their status=1 is lost with the
+    subshell, so the script waits on each with `|| status=1`, which needs step to return 1 on a
+    failure and a time-out (and 0 on success), besides its summary line."""
+    text = SCRIPT.read_text()
+    step = re.search(r"^step\(\) \{\n.*?^\}\n", text, re.M | re.S).group(0)
+    assert 'wait "$kernels_pid" || status=1' in text and 'wait "$cupy_pid" || status=1' in text
+    script = (
+        'set -u\nOUT=$(mktemp -d); SUMMARY=$OUT/summary.txt; status=0\n'
+        'note() { echo "$*" >> "$SUMMARY"; }\n' + step +
+        'step ok 5 a.log true & p1=$!\n'
+        'step bad 5 a.log false & p2=$!\n'
+        'step slow 1 a.log sleep 30 & p3=$!\n'
+        'wait $p1 && echo ok-0; wait $p2 || echo bad-1; wait $p3 || echo slow-1\n'
+        'echo status=$status; cat "$SUMMARY"; rm -rf "$OUT"\n'
+    )  # fmt: skip
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    out = done.stdout
+    assert {"ok-0", "bad-1", "slow-1", "status=0"} <= set(out.split()), out
+    assert "PASS  ok" in out and "FAIL  bad: exit 1" in out and "FAIL  slow: timed out" in out

@@ -16,6 +16,7 @@
 # limits add up to under 8 minutes. lnlib runs from the tree without its C kernel
 # (LNLIB_CPU_KERNEL=0, so cffi is not needed). Exits non-zero if any step failed.
 set -u
+unset STEP_DIR  # set only for one step (below), never from the caller's environment
 OUT=${GPU_OUT:-_build/gpu}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
@@ -28,7 +29,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 
 # step NAME LIMIT_S LOG COMMAND...: run under `timeout`, append to LOG, record status and time.
 # At the limit the command gets SIGINT first (pytest then stops and still prints its summary of
-# what failed so far), SIGKILL 10 s later. A sanitizer that says the device is not supported is
+# what failed so far), SIGKILL 5 s later. A sanitizer that says the device is not supported is
 # a SKIP, not a FAIL.
 # Returns 1 if the step failed (for a step run in the background, whose status=1 is lost).
 # STEP_DIR=DIR step ...: write LOG in DIR instead of $OUT (to be appended to $OUT/LOG later).
@@ -36,7 +37,7 @@ step() {
     local name=$1 limit=$2 log=$3 start=$SECONDS rc dir=${STEP_DIR:-$OUT}
     shift 3
     echo "=== $name: $*" >> "$dir/$log"
-    timeout --signal=INT --kill-after=10 "$limit" "$@" >> "$dir/$log" 2>&1
+    timeout --signal=INT --kill-after=5 "$limit" "$@" >> "$dir/$log" 2>&1
     rc=$?
     local took=$((SECONDS - start))
     if [ $rc -eq 0 ]; then
@@ -55,7 +56,7 @@ skip() { note "SKIP  $1: $2"; }
 note "lnlib gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 note "python: $PY ($($PY -c 'import sys; print(sys.version.split()[0])' 2>&1))"
 if command -v nvidia-smi >/dev/null 2>&1; then
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 \
+    timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 \
         | sed 's/^/gpu: /' | tee -a "$SUMMARY"
 else
     note "missing: nvidia-smi"
@@ -94,7 +95,7 @@ fi
 
 # every module compiled at once, in parallel processes, into CuPy's cache (CUPY_CACHE_DIR): the
 # steps below load them from there instead of compiling each, one at a time, on first use
-step "compile every module into CuPy's cache (parallel)" 35 tests.log \
+step "compile every module into CuPy's cache (parallel)" 30 tests.log \
     $PY tools/gpu_warm_cache.py
 
 # The -m gpu selection (about 680 tests) in two pytest runs: the kernel tests (many rows per
@@ -117,17 +118,25 @@ TESTS_LIMIT=160
 PCH=${CUPY_NVRTC_USE_PCH:-1}
 if has_py pytest && has_py hypothesis; then
     pytest_args=(-m gpu -v -rs --durations=30 -p no:cacheprovider)
-    has_py pytest_timeout && pytest_args+=(-p pytest_timeout --timeout 90)
+    # pytest-timeout is loaded by its entry point ("timeout"); -p pytest_timeout would load it
+    # a second time under its module's name, and pytest stops before collecting (exit 3)
+    has_py pytest_timeout && pytest_args+=(--timeout 90)
     gpu_tests_kernels=(tests/test_gpu_rows.py tests/test_gpu.py tests/test_gpu_add_norm.py)
     gpu_tests_cupy=(tests/test_layer_norm.py tests/test_rms_norm.py tests/test_ada_norm.py
         tests/test_gpu_modulated.py)
     has_py torch && gpu_tests_cupy+=(tests/test_torch_bridge_gpu.py)
     kernels_name="GPU tests: the kernels (LNLIB_REQUIRE_GPU=1, -m gpu)"
     cupy_name="GPU tests: the CuPy variants, AdaLN/GroupNorm, the torch bridge (-m gpu)"
-    mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n 1)
+    mode=$(timeout 10 nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n 1)
+    if [ -z "$mode" ]; then  # no nvidia-smi: the device's properties through CuPy (0: Default)
+        mode=$(timeout 30 $PY -c 'import cupy
+m = cupy.cuda.runtime.getDeviceProperties(0)["computeMode"]
+print("Default" if m == 0 else m)' 2>/dev/null)
+    fi
     run_env=(env LNLIB_REQUIRE_GPU=1 CUPY_NVRTC_USE_PCH="$PCH")
     if [ "$mode" = Default ]; then
         cupy_dir=$(mktemp -d)
+        trap 'rm -rf "$cupy_dir"' EXIT  # also when the check is interrupted
         step "$kernels_name" "$TESTS_LIMIT" tests.log "${run_env[@]}" \
             $PY -m pytest "${gpu_tests_kernels[@]}" "${pytest_args[@]}" &
         kernels_pid=$!
@@ -149,7 +158,7 @@ else
     skip "GPU tests" "pytest or hypothesis is missing"
 fi
 
-step "GPU benchmark" 110 bench.log $PY -m lnlib.bench_gpu --out-dir "$OUT"
+step "GPU benchmark" 90 bench.log $PY -m lnlib.bench_gpu --out-dir "$OUT"
 
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 if [ -n "$NCU" ]; then
@@ -164,7 +173,7 @@ fi
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 if [ -n "$SAN" ]; then
     for tool in memcheck racecheck; do
-        step "compute-sanitizer $tool" 50 sanitizers.log \
+        step "compute-sanitizer $tool" 45 sanitizers.log \
             "$SAN" --tool "$tool" --error-exitcode 1 $PY tools/gpu_sanitize_cases.py
     done
 else
