@@ -168,14 +168,14 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
         }
         return;
     }
+    const T *dyb = dy + lddy, *xb = x + ldx, ra = rs[0], rb = rs[1], gxa = gx[0], gxb = gx[1];
+    T *restrict dxb = dx + lddx;
     for (ptrdiff_t i = 0; i < n; i++) {
-        T dya = dy[i], dyb = dy[lddy + i], w = weight[i];
-        T xhat = x[i] * rs[0], xhat_b = x[ldx + i] * rs[1];
-        double dw = dweight[i] + dya * xhat;
-        dw = dw + dyb * xhat_b;
-        dx[i] = rs[0] * (dya * w - xhat * gx[0]);
-        dx[lddx + i] = rs[1] * (dyb * w - xhat_b * gx[1]);
-        dweight[i] = dw;
+        T xhat_a = x[i] * ra, xhat_b = xb[i] * rb;
+        dx[i] = ra * (dy[i] * weight[i] - xhat_a * gxa);
+        dxb[i] = rb * (dyb[i] * weight[i] - xhat_b * gxb);
+        double dw = dweight[i] + dy[i] * xhat_a;
+        dweight[i] = dw + dyb[i] * xhat_b;
     }
 }
 
