@@ -93,10 +93,10 @@ static void FN(layer_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const 
     mean[0] = mua;
     rstd[0] = rsa;
     if (k == 2) { /* row b: the same pass, in a loop of its own with its own constants */
-        x += ldx;
-        y += ldy;
+        const T *xb = x + ldx;
+        T *restrict yb = y + ldy;
         for (ptrdiff_t i = 0; i < n; i++)
-            y[i] = (x[i] - mub) * rsb * weight[i] + bias[i];
+            yb[i] = (xb[i] - mub) * rsb * weight[i] + bias[i];
         mean[1] = mub;
         rstd[1] = rsb;
     }
