@@ -175,8 +175,9 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
         }
         return;
     }
-    const T *dyb = dy + lddy, *xb = x + ldx, ra = rs[0], rb = rs[1], gxa = gx[0], gxb = gx[1];
+    const T *dyb = dy + lddy, *xb = x + ldx;
     T *restrict dxb = dx + lddx;
+    const T ra = rs[0], rb = rs[1], gxa = gx[0], gxb = gx[1];
     for (ptrdiff_t i = 0; i < n; i++) {
         T xhat_a = x[i] * ra, xhat_b = xb[i] * rb;
         dx[i] = ra * (dy[i] * weight[i] - xhat_a * gxa);
