@@ -4,7 +4,7 @@
 
 Builds ``lnlib/_cpu/norms.c`` as it is at revisions ``A`` and ``B`` (any git revision;
 ``WORKTREE`` is the working tree) with the package's flags plus ``--flags``, loads both, and
-calls their kernels in turn, one thread, on the same rows: the ratio of the best times is robust
+calls their kernels in turn, one thread, on the same arrays: the ratio of the best times is robust
 to the machine's drift, which moves both alike. ``--flags "-mavx2 -DNORMS_NO_CLONES"`` builds
 the AVX2 version alone, as a CPU without AVX-512 runs it. Prints nanoseconds per element and
 B/A for the four float32 and float64 kernels. For changes to the kernel's speed; the
@@ -41,8 +41,9 @@ def _has(rev, path):
 
 
 def build(rev, flags, where):
-    """The kernel of ``rev`` compiled into ``where``; returns the shared library's path."""
-    src = where / rev.replace("/", "_")
+    """The kernel of ``rev`` compiled into a new folder in ``where``; returns the shared
+    library's path."""
+    src = where / f"{len(list(where.iterdir()))}_{rev.replace('/', '_')}"
     src.mkdir()
     if rev == "WORKTREE":
         files = {p.name: p.read_bytes() for p in (ROOT / KERNELS).glob("norms*.[ch]")}
@@ -121,15 +122,21 @@ def load(path):
     return ffi, PerOp(ffi, lib) if "norms_forward_f32" in header.read_text() else lib
 
 
-def calls(ffi, lib, m, n, dtype):
-    """The four kernels of ``lib`` as argument-free callables on fixed (m, n) rows."""
+def rows(m, n, dtype):
+    """The arrays the kernels read and write at (m, n): the same ones for both revisions, so
+    that neither gains from where its rows happen to lie in memory."""
     rng = np.random.default_rng(0)
-    ctype, sfx = ("float", "f32") if dtype == np.float32 else ("double", "f64")
     x = (rng.standard_normal((m, n)) * 2 + 3).astype(dtype)
     dy, w, b = rng.standard_normal((m, n)).astype(dtype), np.ones(n, dtype), np.zeros(n, dtype)
     y, dx, mean, rstd = np.empty_like(x), np.empty_like(x), np.empty(m, dtype), np.empty(m, dtype)
-    blocks = np.zeros((2, -(-m // 128), n))
-    keep = [x, dy, w, b, y, dx, mean, rstd, blocks]  # alive as long as the pointers
+    return x, dy, w, b, y, dx, mean, rstd, np.zeros((2, -(-m // 128), n))
+
+
+def calls(ffi, lib, arrays):
+    """The four kernels of ``lib`` as argument-free callables on ``arrays`` (:func:`rows`)."""
+    x, dy, w, b, y, dx, mean, rstd, blocks = arrays
+    m, n = x.shape
+    ctype, sfx = ("float", "f32") if x.dtype == np.float32 else ("double", "f64")
 
     def p(a):
         return ffi.cast(("double" if a.dtype == np.float64 else ctype) + " *", a.ctypes.data)
@@ -139,7 +146,7 @@ def calls(ffi, lib, m, n, dtype):
     if isinstance(lib, PerOp):  # the two-function interface, called directly (no extra call)
         z = ffi.NULL
         f, g = getattr(lib, f"norms_forward_{sfx}"), getattr(lib, f"norms_backward_{sfx}")
-        return keep, {
+        return {
             "ln_fwd": lambda: f(0, px, n, z, 0, pw, pb, py, z, pm, pr, m, n, 1e-5),
             "rms_fwd": lambda: f(1, px, n, z, 0, pw, z, py, z, z, pr, m, n, 1e-5),
             "ln_bwd": lambda: g(0, pdy, n, z, 0, px, n, pm, pr, pw, pdx, pdw, pdb, m, n),
@@ -147,7 +154,7 @@ def calls(ffi, lib, m, n, dtype):
         }
     f = {k: getattr(lib, f"{k}_{sfx}") for k in ("layer_norm_forward", "rms_norm_forward")}
     g = {k: getattr(lib, f"{k}_{sfx}") for k in ("layer_norm_backward", "rms_norm_backward")}
-    return keep, {
+    return {
         "ln_fwd": lambda: f["layer_norm_forward"](px, n, pw, pb, py, pm, pr, m, n, 1e-5),
         "rms_fwd": lambda: f["rms_norm_forward"](px, n, pw, py, pr, m, n, 1e-5),
         "ln_bwd": lambda: g["layer_norm_backward"](pdy, n, px, n, pm, pr, pw, pdx, pdw, pdb, m, n),
@@ -180,7 +187,8 @@ def main(argv=None):
         for dtype in (np.float32, np.float64):
             for shape in args.shapes.split(","):
                 m, n = map(int, shape.split("x"))
-                (ka, fa), (kb, fb) = (calls(ffi, lib, m, n, dtype) for ffi, lib in libs)
+                arrays = rows(m, n, dtype)
+                fa, fb = (calls(ffi, lib, arrays) for ffi, lib in libs)
                 cells = []
                 for op in fa:
                     ta, tb = best_times(fa[op], fb[op], args.reps)
