@@ -9,22 +9,9 @@ remembers what its last :meth:`forward` saved. A forward/backward pair is one st
 
 import numpy as np
 
-from . import _docs
+from . import _docs, ada_norm, add_norm
 from . import _validate as check
 from ._docs import DYT, ENTRIES, RMS, parameters
-from .ada_norm import (
-    ada_layer_norm_backward,
-    ada_layer_norm_forward,
-    adaln_modulation,
-    adaln_modulation_backward,
-    adaln_zero_init,
-)
-from .add_norm import (
-    add_layer_norm_backward,
-    add_layer_norm_forward,
-    add_rms_norm_backward,
-    add_rms_norm_forward,
-)
 from .batch_norm import batch_norm_backward, batch_norm_forward
 from .dynamic_tanh import dynamic_tanh, dynamic_tanh_backward
 from .group_norm import group_norm_backward, group_norm_forward
@@ -179,7 +166,7 @@ class AdaLN(_Layer):
     def __init__(self, dim, cond_dim, eps=1e-6, zero_init=True, rng=None, dtype=np.float32):
         self.dim, self.eps = check.size_value(dim, "dim"), eps
         self.cond_dim = check.size_value(cond_dim, "cond_dim")
-        self.weight, self.bias = adaln_zero_init(self.cond_dim, self.dim, dtype=dtype)
+        self.weight, self.bias = ada_norm.adaln_zero_init(self.cond_dim, self.dim, dtype=dtype)
         if not zero_init:
             rng = np.random.default_rng() if rng is None else rng
             self.weight[...] = rng.normal(0.0, self.cond_dim**-0.5, self.weight.shape)
@@ -196,8 +183,9 @@ class AdaLN(_Layer):
     )
     def forward(self, x, c):
         expand = (slice(None),) + (None,) * (np.ndim(x) - 2)  # (B, dim) over the T of (B, T, dim)
-        shift, scale, gate = (m[expand] for m in adaln_modulation(c, self.weight, self.bias))
-        y, mean, rstd = ada_layer_norm_forward(x, shift, scale, eps=self.eps)
+        modulation = ada_norm.adaln_modulation(c, self.weight, self.bias)
+        shift, scale, gate = (m[expand] for m in modulation)
+        y, mean, rstd = ada_norm.ada_layer_norm_forward(x, shift, scale, eps=self.eps)
         self._saved = (x, c, mean, rstd, scale)
         return y, gate
 
@@ -213,10 +201,10 @@ class AdaLN(_Layer):
     )
     def backward(self, dy, dgate=None):
         x, c, mean, rstd, scale = self._take()
-        dx, dshift, dscale = ada_layer_norm_backward(dy, x, mean, rstd, scale)
+        dx, dshift, dscale = ada_norm.ada_layer_norm_backward(dy, x, mean, rstd, scale)
         over = tuple(range(1, np.ndim(x) - 1))  # the axes the modulation was broadcast over
         dmod = [None if d is None else np.sum(d, axis=over) for d in (dshift, dscale, dgate)]
-        dc, self.dweight, self.dbias = adaln_modulation_backward(dmod, c, self.weight)
+        dc, self.dweight, self.dbias = ada_norm.adaln_modulation_backward(dmod, c, self.weight)
         return dx, dc
 
 
@@ -348,7 +336,9 @@ class DynamicTanh(_Layer):
 
 
 @parameters(ENTRIES)
-@_add_norm_steps(add_layer_norm_forward, add_layer_norm_backward, "``dweight`` and ``dbias``")
+@_add_norm_steps(
+    add_norm.add_layer_norm_forward, add_norm.add_layer_norm_backward, "``dweight`` and ``dbias``"
+)
 class AddLayerNorm(LayerNorm):
     r"""The residual add fused with :class:`LayerNorm`: ``forward(x, residual)`` gives
     ``(y, h)`` with ``h = residual + x`` and ``y`` the LayerNorm of ``h``.
@@ -363,7 +353,7 @@ class AddLayerNorm(LayerNorm):
 
 
 @parameters({**ENTRIES, **RMS})
-@_add_norm_steps(add_rms_norm_forward, add_rms_norm_backward, "``dweight``")
+@_add_norm_steps(add_norm.add_rms_norm_forward, add_norm.add_rms_norm_backward, "``dweight``")
 class AddRMSNorm(RMSNorm):
     r"""The residual add fused with :class:`RMSNorm`, as :class:`AddLayerNorm` fuses it with
     :class:`LayerNorm`: ``y`` is the RMSNorm of ``h``. Covered in :ref:`sec-ch05-fused-add`.
