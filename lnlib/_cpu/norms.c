@@ -58,11 +58,6 @@ static int rows_at(ptrdiff_t r, ptrdiff_t m, ptrdiff_t n)
     return r + 1 < m && n <= PAIR_MAX ? 2 : 1;
 }
 
-static ptrdiff_t block_len(ptrdiff_t start, ptrdiff_t n)
-{
-    return n - start < BLOCK ? n - start : BLOCK;
-}
-
 /* `count` pairwise sums of streams of values (binary counters): level[k][c] holds the sum of
  * the last 2^k values of sum c not yet merged, so each value goes through at most log2(blocks)
  * additions; sums of one pass get their values together. */
@@ -263,41 +258,37 @@ struct rows {
 
 /* The skeleton of a pass over the rows (norms_rows.h): per block, the lanes a[c] of `count`
  * sums, to which the statements `...` add element e to lane k (element i of the block to lane
- * i % LANES, the last short group's element k to lane k); then each block's lanes are added,
- * in float64, to the sum's pairwise total, and the totals go to sum[]. Unrolled: the lane loop
- * 8 times for the vectoriser (fully, GCC makes the block loop in-order reductions), the block
- * loop (i from the block's start) fully, an exit test after each step: less control than a loop.
- * The short group goes to zeroed lanes of its own, added lane by lane, so that a stays in
- * registers; the same bits, as a lane that starts at +0 is never -0. LANES_ZERO zeroes lanes by
- * vector stores: GCC makes an initializer ({{0}}) a per-block memset (rep stos, slow to start). */
-#define LANES_ZERO(a, count)                                                                   \
-    for (int c_ = 0; c_ < (count); c_++)                                                       \
-    _Pragma("GCC unroll 16") for (int k_ = 0; k_ < LANES; k_++) a[c_][k_] = 0
+ * i % LANES); then each block's lanes are added, in float64, to the sum's pairwise total, and
+ * the totals go to sum[]. A full block's steps (i from the block's start) are unrolled, with no
+ * test between them (with an exit test after each, GCC kept the lanes in memory), and the lane
+ * loop 8 times for the vectoriser (fully, GCC makes the block loop in-order reductions); a row's
+ * last, short block takes plain loops. The lanes are zeroed by stores: GCC makes an initializer
+ * ({{0}}) a per-block memset (rep stos, slow to start). */
+#define LANE_STEP(...)                                                                         \
+    _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                                    \
+    {                                                                                          \
+        const ptrdiff_t e = start + i + k;                                                     \
+        __VA_ARGS__                                                                            \
+    }
 #define LANE_PASS(count, n, sum, ...)                                                          \
     do {                                                                                       \
         struct pairwise s_;                                                                    \
         s_.blocks = 0;                                                                         \
         for (ptrdiff_t start = 0; start < (n); start += BLOCK) {                               \
-            ptrdiff_t len = block_len(start, (n)), i = 0;                                      \
+            ptrdiff_t len = (n) - start < BLOCK ? (n) - start : BLOCK, i = 0;                  \
             T a[count][LANES];                                                                 \
-            LANES_ZERO(a, count);                                                              \
-            _Pragma("GCC unroll 16") for (; i + LANES <= len; i += LANES)                      \
-                _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                        \
-                {                                                                              \
-                    const ptrdiff_t e = start + i + k;                                         \
-                    __VA_ARGS__                                                                \
-                }                                                                              \
-            if (i < len) {                                                                     \
-                T t_[count][LANES];                                                            \
-                LANES_ZERO(t_, count);                                                         \
+            for (int c = 0; c < (count); c++)                                                  \
+                _Pragma("GCC unroll 16") for (int k = 0; k < LANES; k++) a[c][k] = 0;          \
+            if (len == BLOCK)                                                                  \
+                _Pragma("GCC unroll 16") for (; i < BLOCK; i += LANES)                         \
+                    LANE_STEP(__VA_ARGS__)                                                     \
+            else {                                                                             \
+                for (; i + LANES <= len; i += LANES)                                           \
+                    LANE_STEP(__VA_ARGS__)                                                     \
                 for (int k = 0; i < len; i++, k++) {                                           \
                     const ptrdiff_t e = start + i;                                             \
-                    T(*a)[LANES] = t_;                                                         \
                     __VA_ARGS__                                                                \
                 }                                                                              \
-                for (int c = 0; c < count; c++)                                                \
-                    for (int k = 0; k < LANES; k++)                                            \
-                        a[c][k] += t_[c][k];                                                   \
             }                                                                                  \
             FN(pairwise_add)(&s_, a, count);                                                   \
         }                                                                                      \

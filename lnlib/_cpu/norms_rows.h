@@ -9,14 +9,12 @@
 static double FN(lanes_total)(const T a[LANES])
 {
     double s[8];
-#pragma GCC unroll 2
     for (int k = 0; k < 8; k++)
         s[k] = (double)a[k] + (double)a[k + 8];
-    for (int k = 0; k < 4; k++)
-        s[k] += s[k + 4];
-    for (int k = 0; k < 2; k++)
-        s[k] += s[k + 2];
-    return s[0] + s[1];
+    for (int w = 4; w > 0; w /= 2)
+        for (int k = 0; k < w; k++)
+            s[k] += s[k + w];
+    return s[0];
 }
 
 /* Adds the block's lanes of `count` sums, each to its pairwise sum. */
