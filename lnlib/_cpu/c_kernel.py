@@ -645,13 +645,12 @@ def _backward(rms, suffix, dy, dh, x, stats, weight, out, threads=None):
     acc = _ACC[x.dtype]
     dy, x = _rows(dy, dy.dtype), _rows(x, x.dtype)
     dh = None if dh is None else _rows(dh, x.dtype)
-    stats = [np.ascontiguousarray(a, dtype=acc) for a in stats]  # (M,) each
     weight = _vector(weight, n, acc, 1)
     dx = out_array(out, 0, (m, n), x.dtype)  # (M, D)
-    nparams = 1 if rms else 2
-    blocks = _column_blocks(m, n, nparams)  # (k, blocks, D) float64: dweight's, then dbias's
-    p_dy, p_x, p_w, p_rstd = _pointer(dy), _pointer(x), _pointer(weight), _pointer(stats[-1])
-    p_mean = null if rms else _pointer(stats[0])
+    blocks = _column_blocks(m, n, 1 if rms else 2)  # (k, blocks, D) float64: dweight's, dbias's
+    p_dy, p_x, p_w = _pointer(dy), _pointer(x), _pointer(weight)
+    p_rstd = _pointer(np.ascontiguousarray(stats[-1], dtype=acc))  # (M,)
+    p_mean = null if rms else _pointer(np.ascontiguousarray(stats[0], dtype=acc))  # (M,)
     p_dh, ld_dh = (null, 0) if dh is None else (_pointer(dh), _ld(dh))
     p_dx, p_dw = _pointer(dx, writable=True), _pointer(blocks, writable=True)
     p_db = null if rms else p_dw + blocks.shape[1] * n
