@@ -356,8 +356,6 @@ def _function_body(source, name):
 
 #: The one-row form of a pass, written beside its two-row form in a row function.
 _ONE_ROW = re.compile(r"\n    if \(k == 1\) \{.*?\n    \}", re.DOTALL)
-#: A pass written row after row: its loop for row b, after the same loop for row a.
-_ROW_B = re.compile(r"\n    if \(k == 2\) \{.*?\n    \}", re.DOTALL)
 
 
 def _arrays(text):
@@ -381,8 +379,6 @@ def test_passes_match_the_c_source(op):
     body = _row_function_body(op)
     one_row = _ONE_ROW.search(body)  # the same pass as the one after it, for one row
     body = _ONE_ROW.sub("", body)
-    row_b = _ROW_B.search(body)  # the same pass as the one before it, for row b
-    body = _ROW_B.sub("", body)
     passes = [m.group("call") or m.group("loop") for m in _PASS.finditer(body)]
     described = cpu_kernel.PASSES[op]
     assert len(passes) == len(described), f"{op}: C makes {len(passes)} passes over a row"
@@ -390,11 +386,6 @@ def test_passes_match_the_c_source(op):
         after = body[one_row.start() :]
         following = next(t for t in passes if t in after)
         assert _arrays(one_row.group(0)) == _arrays(following), (op, one_row.group(0))
-    if row_b:
-        before = body[: row_b.start()]
-        preceding = [t for t in passes if t in before][-1]
-        row_b_text = re.sub(r"\b(d?[xy])b\b", r"\1", row_b.group(0))  # xb: row b of x
-        assert _arrays(row_b_text) == _arrays(preceding), (op, row_b.group(0))
     for text, want in zip(passes, described):
         used, written = _arrays(text)
         assert written == set(want["writes"]), (op, text)

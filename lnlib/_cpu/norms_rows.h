@@ -83,20 +83,13 @@ static void FN(layer_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const 
     FN(row_sum)(x, x + (k - 1) * ldx, n, s);
     T mu0[2] = {(T)(s[0] / n), (T)(s[1] / n)};
     FN(row_sums_dev)(x, x + (k - 1) * ldx, n, mu0, s);
-    double da = s[0] / n, db = s[1] / n, va = s[2] / n - da * da, vb = s[3] / n - db * db;
-    const T mua = (T)(mu0[0] + da), rsa = (T)(1 / sqrt(va + eps));
-    const T mub = (T)(mu0[1] + db), rsb = (T)(1 / sqrt(vb + eps));
-    for (ptrdiff_t i = 0; i < n; i++)
-        y[i] = (x[i] - mua) * rsa * weight[i] + bias[i];
-    mean[0] = mua;
-    rstd[0] = rsa;
-    if (k == 2) { /* row b: the same pass, in a loop of its own with its own constants */
-        const T *xb = x + ldx;
-        T *restrict yb = y + ldy;
+    for (int j = 0; j < k; j++, x += ldx, y += ldy) {
+        double delta = s[j] / n, var = s[2 + j] / n - delta * delta;
+        T mu = (T)(mu0[j] + delta), rs = (T)(1 / sqrt(var + eps));
         for (ptrdiff_t i = 0; i < n; i++)
-            yb[i] = (xb[i] - mub) * rsb * weight[i] + bias[i];
-        mean[1] = mub;
-        rstd[1] = rsb;
+            y[i] = (x[i] - mu) * rs * weight[i] + bias[i];
+        mean[j] = mu;
+        rstd[j] = rs;
     }
 }
 /* [end listing: layer-norm-row] */
