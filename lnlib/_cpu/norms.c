@@ -1,18 +1,14 @@
 /* Row-wise LayerNorm and RMSNorm, forward and backward, for the CPU (declared in norms.h), built
- * into lnlib._cpu._norms by lnlib/_cpu/build.py; lnlib/_cpu/c_kernel.py calls it on chunks of
- * rows, one chunk per thread. The row functions are written once, in norms_rows.h, included below
- * for float and for double; the float16 kernels convert rows to float and run the float ones.
+ * into lnlib._cpu._norms by build.py; c_kernel.py calls it on chunks of rows, one per thread. The
+ * row functions are written once, in norms_rows.h, included below for float and for double; the
+ * float16 kernels convert rows to float and run the float ones.
  *
- * A row is read from memory once: the first pass brings it into cache, the later passes find it
- * there. The order of every sum depends on the row length only (never on the row's address, its
- * place in the batch or the thread), so results are bitwise batch and thread invariant.
- *
- * Compiled with -ffp-contract=off, so no multiply-add is fused behind our back. On x86-64 each
- * exported kernel is also compiled for AVX2 and AVX-512 (target_clones) and the loader picks the
- * widest the CPU has; the lanes and their order are written out in the C, so every version gives
- * the same bits. Two build switches, for the tests: -DNORMS_NO_CLONES builds the baseline version
- * alone, -DNORMS_NO_F16C the portable float16 conversion alone.
- *
+ * A row is read from memory once: the later passes find it in cache. The order of every sum
+ * depends on the row length only, so results are bitwise batch and thread invariant. Compiled
+ * with -ffp-contract=off (no multiply-add fused behind our back); on x86-64 each exported kernel
+ * is also compiled for AVX2 and AVX-512 (target_clones), with the same bits, since the lanes and
+ * their order are written out. Build switches, for the tests: -DNORMS_NO_CLONES (the baseline
+ * version alone), -DNORMS_NO_F16C (the portable float16 conversion alone).
  * Book: chapter "Implementation", section "A compiled kernel". */
 #include <math.h>
 #include <stddef.h>
@@ -86,12 +82,9 @@ void sum_blocks_pairwise(double *blocks, ptrdiff_t nblocks, ptrdiff_t n)
 }
 
 /* Non-temporal ("streaming") stores (SSE2: every x86-64): an output row made in a scratch row
- * that stays in cache is written to memory without the read for ownership of an ordinary
- * store, so a forward moves two arrays' worth of bytes, not three. Only for calls that write
- * at least STREAM_BYTES (a smaller output may still be in cache when it is next read, and
- * ordinary stores keep it there) in rows of at most STREAM_ROW_MAX elements (the scratch row
- * stays in L1 or L2). The values are the same either way; norms_set_streaming switches it for
- * the benchmark. */
+ * is written without the read for ownership of an ordinary store, so a forward moves two arrays'
+ * worth of bytes, not three. Only for outputs of STREAM_BYTES or more (a smaller one may still be
+ * in cache when next read) in rows of at most STREAM_ROW_MAX (the scratch stays in L1 or L2). */
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
@@ -148,10 +141,8 @@ static void stream_end(void *scratch, int stream)
     free(scratch);
 }
 
-/* float16: a result is the float32 kernel's on the inputs converted to float (exact), with y
- * and dx rounded once to float16. Conversions: the F16C instructions where the CPU has them
- * (chosen at run time: the "avx2" version does not imply F16C), else bit operations; both are
- * exact or correctly rounded, so they give the same bits. */
+/* float16 conversions: the F16C instructions where the CPU has them (chosen at run time: the
+ * "avx2" version does not imply F16C), else bit operations; the same bits either way. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(NORMS_NO_F16C)
 #define NORMS_F16C 1
 #include <immintrin.h>
@@ -210,9 +201,8 @@ static int have_f16c(void)
 #ifdef NORMS_F16C
     __builtin_cpu_init();
     return __builtin_cpu_supports("f16c");
-#else
-    return 0;
 #endif
+    return 0;
 }
 
 const char *norms_half_conversion(void)
@@ -244,7 +234,6 @@ __attribute__((target("avx,f16c"))) static ptrdiff_t f16c_out(const float *f, ui
 #define f16c_in(a, f, n) 0
 #define f16c_out(f, a, n) 0
 #endif
-
 
 /* An input of the kernels: rows ld elements apart, of the type T of the kernel that reads them,
  * or (half) float16 bits, which only float kernels read. */

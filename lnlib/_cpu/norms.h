@@ -22,23 +22,20 @@
 
 enum { NORMS_BLOCK_ROWS = 128 };
 
-/* The forward: y = norm(x) for rms 0 (LayerNorm) or 1 (RMSNorm, which reads no bias and writes
- * no mean: both may be NULL). With a residual (not NULL), the fused residual add: h = residual
- * + x, then y = norm(h), two rows at a time, the add into h and then the norm's row code on
- * those rows of h while they are in cache, so that y is bitwise the plain forward's y of h
- * (lnlib/_rows.py states the rounding); without one, h is not written (it may be NULL).
- * residual rows ldr elements apart; h contiguous (m, n), and it may be residual itself
- * (ldr == n). The backward: dx of x (of h for the fused add), and with dh (not NULL, rows lddh
- * apart) dsum = dx + dh written in its place; dbias_blocks may be NULL for rms 1.
+/* The forward: y = norm(x), LayerNorm for rms 0, RMSNorm for rms 1 (bias and mean unused, may
+ * be NULL). With a residual (not NULL), the fused residual add: h = residual + x written, then
+ * y = norm(h) on those rows while they are in cache, bitwise the plain forward's y of h
+ * (lnlib/_rows.py states the rounding); residual rows ldr apart, h contiguous (m, n), possibly
+ * residual itself (ldr == n). Without a residual, h is unused (may be NULL). The backward: dx
+ * of x (of h for the fused add), and with dh (not NULL, rows lddh apart) dsum = dx + dh in its
+ * place; dbias_blocks may be NULL for rms 1.
  *
- * Types by suffix: _f32, _f64 every array in that type; _f16 every (m, n) array float16
- * (IEEE binary16 bits, uint16_t) with weight, bias, mean and rstd float; _f16f32 x, y and dy
- * float16 with the residual stream (residual, h, dh, and dx, the gradient of h) float. A
- * float16 row is converted to float (exactly), goes through the float32 row code, and y and dx
- * are rounded to float16 once (to nearest, ties to even): the results are exactly those of the
- * _f32 kernel on the inputs converted to float32; a float16 h is rounded before it is
- * normalized, and a float16 dx before dh is added. They return 0, or 1 when their scratch rows
- * cannot be allocated. */
+ * Types by suffix: _f32, _f64 every array in that type; _f16 every (m, n) array float16 (IEEE
+ * binary16 bits) with weight, bias, mean and rstd float; _f16f32 x, y and dy float16 with the
+ * residual stream (residual, h, dh, and dx, the gradient of h) float. A float16 result is
+ * exactly the _f32 kernel's on the inputs converted to float, rounded once to float16 (to
+ * nearest, ties to even); a float16 h is rounded before it is normalized, a float16 dx before
+ * dh is added. They return 0, or 1 when their scratch rows cannot be allocated. */
 int norms_forward_f32(int rms, const float *x, ptrdiff_t ldx, const float *residual,
                       ptrdiff_t ldr, const float *weight, const float *bias, float *y, float *h,
                       float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
@@ -83,9 +80,8 @@ void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n);
  * (the compiler's baseline; the only one where multi-versioning is not available). */
 const char *norms_kernel_version(void);
 
-/* Switches the streaming of large outputs (non-temporal stores, on by default) on or off for
- * the whole process; returns the previous setting. The values written are the same either
- * way: the benchmark uses it to time the two ways of storing. */
+/* Streaming of large outputs (non-temporal stores, on by default) on or off for the process, for
+ * the benchmark (the values are the same either way); returns the previous setting. */
 int norms_set_streaming(int enabled);
 
 /* Adds the rows of blocks (nblocks, n) pairwise, in a fixed order; the total ends in row 0. */

@@ -1,9 +1,6 @@
-/* The kernels over one element type, included by norms.c once for float and once for double:
- *   T       the element type
- *   FN(f)   the name f with the type's suffix (f_f32, f_f64)
- *
- * Each pass is one function whose loop is the skeleton LANE_PASS (norms.c) with the pass's terms;
- * the compiler vectorises the lanes for each instruction set. */
+/* The kernels over one element type T, included by norms.c for float and for double; FN(f) is f
+ * with the type's suffix (f_f32, f_f64). Each pass is one function whose loop is the skeleton
+ * LANE_PASS (norms.c) with the pass's terms; the compiler vectorises the lanes. */
 
 /* The lanes added pairwise in float64: lane k + lane k + 8, then + 4, + 2, + 1. */
 static double FN(lanes_total)(const T a[LANES])
@@ -106,11 +103,8 @@ static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, con
     double s[4];
     const T shift[2] = {mean[0], mean[k - 1]}, rs[2] = {rstd[0], rstd[k - 1]};
     FN(row_sums_g)(dy, dy + (k - 1) * lddy, weight, x, x + (k - 1) * ldx, n, shift, s);
-    T g[2], gx[2];
-    for (int j = 0; j < 2; j++) {
-        g[j] = (T)(s[j] / n);
-        gx[j] = (T)(s[2 + j] * rs[j] / n);
-    }
+    const T g[2] = {(T)(s[0] / n), (T)(s[1] / n)};
+    const T gx[2] = {(T)(s[2] * rs[0] / n), (T)(s[3] * rs[1] / n)};
     if (k == 1) { /* row a alone: the same pass (GCC would not split the loop below) */
         for (ptrdiff_t i = 0; i < n; i++) {
             T xhat = (x[i] - shift[0]) * rs[0];
@@ -122,12 +116,10 @@ static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, con
     }
     const T *dyb = dy + lddy, *xb = x + ldx;
     T *restrict dxb = dx + lddx;
-    const T ma = shift[0], mb = shift[1], ra = rs[0], rb = rs[1];
-    const T ga = g[0], gb = g[1], gxa = gx[0], gxb = gx[1];
     for (ptrdiff_t i = 0; i < n; i++) {
-        T xhat_a = (x[i] - ma) * ra, xhat_b = (xb[i] - mb) * rb;
-        dx[i] = ra * (dy[i] * weight[i] - ga - xhat_a * gxa);
-        dxb[i] = rb * (dyb[i] * weight[i] - gb - xhat_b * gxb);
+        T xhat_a = (x[i] - shift[0]) * rs[0], xhat_b = (xb[i] - shift[1]) * rs[1];
+        dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat_a * gx[0]);
+        dxb[i] = rs[1] * (dyb[i] * weight[i] - g[1] - xhat_b * gx[1]);
         double dw = dweight[i] + dy[i] * xhat_a, db = dbias[i] + dy[i];
         dweight[i] = dw + dyb[i] * xhat_b;
         dbias[i] = db + dyb[i];
@@ -168,11 +160,10 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
     }
     const T *dyb = dy + lddy, *xb = x + ldx;
     T *restrict dxb = dx + lddx;
-    const T ra = rs[0], rb = rs[1], gxa = gx[0], gxb = gx[1];
     for (ptrdiff_t i = 0; i < n; i++) {
-        T xhat_a = x[i] * ra, xhat_b = xb[i] * rb;
-        dx[i] = ra * (dy[i] * weight[i] - xhat_a * gxa);
-        dxb[i] = rb * (dyb[i] * weight[i] - xhat_b * gxb);
+        T xhat_a = x[i] * rs[0], xhat_b = xb[i] * rs[1];
+        dx[i] = rs[0] * (dy[i] * weight[i] - xhat_a * gx[0]);
+        dxb[i] = rs[1] * (dyb[i] * weight[i] - xhat_b * gx[1]);
         double dw = dweight[i] + dy[i] * xhat_a;
         dweight[i] = dw + dyb[i] * xhat_b;
     }
