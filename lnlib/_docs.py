@@ -212,6 +212,29 @@ ADD_BACKWARD = (
 )
 
 
+#: The steps of AdaLN (lnlib.layers.AdaLN), as :func:`step`'s arguments: the LayerNorm of x
+#: modulated by the conditioning c, and back to dx and dc.
+ADALN_FORWARD = (
+    "Modulate the LayerNorm of ``x`` by the conditioning ``c``; return ``(y, gate)``.",
+    "x : ndarray, shape ``(B, dim)`` or ``(B, T, dim)``, floating\n    Input, normalized over "
+    "its last axis.\nc : ndarray, shape ``(B, cond_dim)``, floating\n    Conditioning vectors.",
+    "y : ndarray, shape and dtype of ``x``\n    :math:`\\hat{x}\\,(1 + \\mathrm{scale}) + "
+    "\\mathrm{shift}`.\ngate : ndarray, shape ``(B, dim)`` (``(B, 1, dim)`` for 3-d ``x``)\n"
+    "    The gate for the residual branch that follows (applied by the caller).",
+    ":func:`lnlib.adaln_modulation` and :func:`lnlib.ada_layer_norm_forward`",
+)
+ADALN_BACKWARD = (
+    "Backward of the last :meth:`forward`: ``(dx, dc)``; also stores ``dweight``, ``dbias``.",
+    "dy : ndarray, shape of ``x``\n    Gradient of the loss with respect to ``y``.\n"
+    "dgate : ndarray, shape of ``gate``, optional\n    Gradient with respect to ``gate``; "
+    "None counts as zero.",
+    "dx : ndarray, shape and dtype of ``x``\n    Gradient with respect to ``x``.\n"
+    "dc : ndarray, shape ``(B, cond_dim)``\n    Gradient with respect to ``c``.",
+    ":func:`lnlib.ada_layer_norm_backward` and :func:`lnlib.adaln_modulation_backward`",
+    NO_FORWARD,
+)
+
+
 # The torch bridge (lnlib.torch_bridge): what the parameters of its functions and modules mean,
 # the docstrings of its modules' forward and extra_repr and of its autograd Functions.
 _RESIDUAL_DTYPE = """residual_dtype : torch.dtype or None, default None

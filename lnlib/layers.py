@@ -172,15 +172,7 @@ class AdaLN(_Layer):
             self.weight[...] = rng.normal(0.0, self.cond_dim**-0.5, self.weight.shape)
         self.dweight = self.dbias = None
 
-    @_docs.step(
-        "Modulate the LayerNorm of ``x`` by the conditioning ``c``; return ``(y, gate)``.",
-        "x : ndarray, shape ``(B, dim)`` or ``(B, T, dim)``, floating\n    Input, normalized over "
-        "its last axis.\nc : ndarray, shape ``(B, cond_dim)``, floating\n    Conditioning vectors.",
-        "y : ndarray, shape and dtype of ``x``\n    :math:`\\hat{x}\\,(1 + \\mathrm{scale}) + "
-        "\\mathrm{shift}`.\ngate : ndarray, shape ``(B, dim)`` (``(B, 1, dim)`` for 3-d ``x``)\n"
-        "    The gate for the residual branch that follows (applied by the caller).",
-        ":func:`lnlib.adaln_modulation` and :func:`lnlib.ada_layer_norm_forward`",
-    )
+    @_docs.step(*_docs.ADALN_FORWARD)
     def forward(self, x, c):
         expand = (slice(None),) + (None,) * (np.ndim(x) - 2)  # (B, dim) over the T of (B, T, dim)
         modulation = ada_norm.adaln_modulation(c, self.weight, self.bias)
@@ -189,16 +181,7 @@ class AdaLN(_Layer):
         self._saved = (x, c, mean, rstd, scale)
         return y, gate
 
-    @_docs.step(
-        "Backward of the last :meth:`forward`: ``(dx, dc)``; also stores ``dweight``, ``dbias``.",
-        "dy : ndarray, shape of ``x``\n    Gradient of the loss with respect to ``y``.\n"
-        "dgate : ndarray, shape of ``gate``, optional\n    Gradient with respect to ``gate``; "
-        "None counts as zero.",
-        "dx : ndarray, shape and dtype of ``x``\n    Gradient with respect to ``x``.\n"
-        "dc : ndarray, shape ``(B, cond_dim)``\n    Gradient with respect to ``c``.",
-        ":func:`lnlib.ada_layer_norm_backward` and :func:`lnlib.adaln_modulation_backward`",
-        _docs.NO_FORWARD,
-    )
+    @_docs.step(*_docs.ADALN_BACKWARD)
     def backward(self, dy, dgate=None):
         x, c, mean, rstd, scale = self._take()
         dx, dshift, dscale = ada_norm.ada_layer_norm_backward(dy, x, mean, rstd, scale)
