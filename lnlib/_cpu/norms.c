@@ -248,10 +248,11 @@ struct rows {
 /* The skeleton of a pass over the rows (norms_rows.h): per block, the lanes a[c] of `count`
  * sums, to which the statements `...` add element e to lane k (element i of the block to lane
  * i % LANES); then each block's lanes are added, in float64, to the sum's pairwise total, and
- * the totals go to sum[]. A full block's steps (i from the block's start) are unrolled, with no
- * test between them (with an exit test after each, GCC kept the lanes in memory), and the lane
- * loop 8 times for the vectoriser (fully, GCC makes the block loop in-order reductions); a row's
- * last, short block takes plain loops. The lanes are zeroed by stores: GCC makes an initializer
+ * the totals go to sum[]. A full block's steps (i from the block's start) are a loop of fixed
+ * count unrolled 4 times, with no exit test between steps (with one after each, GCC kept the
+ * lanes in memory; unrolled fully, it spilled float64's lanes), and the lane loop 8 times for
+ * the vectoriser (fully, GCC makes the block loop in-order reductions); a row's last, short
+ * block takes plain loops. The lanes are zeroed by stores: GCC makes an initializer
  * ({{0}}) a per-block memset (rep stos, slow to start). */
 #define LANE_STEP(...)                                                                         \
     _Pragma("GCC unroll 8") for (int k = 0; k < LANES; k++)                                    \
@@ -269,7 +270,7 @@ struct rows {
             for (int c = 0; c < (count); c++)                                                  \
                 _Pragma("GCC unroll 16") for (int k = 0; k < LANES; k++) a[c][k] = 0;          \
             if (len == BLOCK)                                                                  \
-                _Pragma("GCC unroll 16") for (; i < BLOCK; i += LANES)                         \
+                _Pragma("GCC unroll 4") for (; i < BLOCK; i += LANES)                          \
                     LANE_STEP(__VA_ARGS__)                                                     \
             else {                                                                             \
                 for (; i + LANES <= len; i += LANES)                                           \
