@@ -594,7 +594,8 @@ _FUSED_BACKWARD = {
 
 def _forward(rms, suffix, x, residual, params, eps, h_dtype, out, threads=None):
     """One C forward over chunks of rows: ``y, mean, rstd`` (``y, rstd`` for rms), or with a
-    residual (the fused add) ``y, h, mean, rstd``; ``suffix`` names the C function's dtypes."""
+    residual (the fused add) ``y, h, mean, rstd``; ``suffix`` names the C function's dtypes,
+    and ``h_dtype`` (a ``np.dtype``, as ``_ACC`` is keyed) is that of h, or of x without one."""
     m, n = x.shape
     fn = _c_function("forward", suffix)
     null = _state["module"].ffi.NULL
