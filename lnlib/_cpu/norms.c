@@ -26,10 +26,14 @@ enum { LANES = 16, BLOCK = 256 };
 #endif
 #endif
 #ifdef NORMS_CLONES
-/* flatten: the row functions are inlined, so they are compiled for each version too */
+/* flatten: what a version calls is inlined, so compiled for its instruction set too; the row
+ * functions (ROWS_KERNEL) are versions of their own, called directly by each version: inlined,
+ * the two-row backward's loop ran out of registers. */
 #define NORMS_KERNEL __attribute__((target_clones("avx512f", "avx2", "default"), flatten))
+#define ROWS_KERNEL NORMS_KERNEL __attribute__((noinline))
 #else
 #define NORMS_KERNEL
+#define ROWS_KERNEL
 #endif
 
 const char *norms_kernel_version(void)

@@ -72,6 +72,7 @@ static void FN(row_sum_gx)(const T *dya, const T *dyb, const T *weight, const T 
 /* Two-pass statistics: a first mean mu0, then the sums of the deviations xt = x - mu0 and of
  * xt^2, whose mean corrects mu0 and whose variance is taken about the corrected mean (Chan,
  * Golub and LeVeque, 1983), never mean(x^2) - mean(x)^2. Then y. */
+ROWS_KERNEL
 static void FN(layer_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const T *weight,
                                         const T *bias, T *restrict y, ptrdiff_t ldy, T *mean,
                                         T *rstd, ptrdiff_t n, double eps)
@@ -94,6 +95,7 @@ static void FN(layer_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const 
 /* dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy weight; adds dy xhat and dy to the
  * row block's column sums dweight and dbias, row a's term before row b's (one load and store
  * of each column sum for both rows). */
+ROWS_KERNEL
 static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const T *x,
                                          ptrdiff_t ldx, const T *mean, const T *rstd,
                                          const T *weight, T *restrict dx, ptrdiff_t lddx,
@@ -126,6 +128,7 @@ static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, con
     }
 }
 
+ROWS_KERNEL
 static void FN(rms_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const T *weight,
                                       T *restrict y, ptrdiff_t ldy, T *rstd, ptrdiff_t n,
                                       double eps)
@@ -141,6 +144,7 @@ static void FN(rms_norm_forward_rows)(int k, const T *x, ptrdiff_t ldx, const T 
 }
 
 /* dx = rstd (g - xhat mean(g xhat)), xhat = x rstd; adds dy xhat to dweight, as above. */
+ROWS_KERNEL
 static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const T *x,
                                        ptrdiff_t ldx, const T *rstd, const T *weight,
                                        T *restrict dx, ptrdiff_t lddx, double *restrict dweight,
