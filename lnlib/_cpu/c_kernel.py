@@ -406,10 +406,8 @@ def _block_of(start):
 
 
 #: A call that reads fewer bytes (of x, and of dy for a backward) runs in the calling thread:
-#: below this, handing half the rows to another thread cost more than it saved. On the 2-core
-#: machine of chapter 5, interleaved (``python -m lnlib.bench --threads``), one thread won at
-#: 2 MiB and below for every dtype (float32 forward, 512 K elements: 149 against 252 us), two
-#: threads won from 16 MiB on, and between 4 and 8 MiB the two traded places from run to run.
+#: below this, handing half the rows to another thread cost more than it saved (measured by
+#: ``python -m lnlib.bench --threads``; chapter 5 gives the figures).
 PARALLEL_MIN_BYTES = 8 << 20
 
 

@@ -3,13 +3,13 @@
  * row functions are written once, in norms_rows.h, included below for float and for double; the
  * float16 kernels convert rows to float and run the float ones.
  *
- * A row is read from memory once: the later passes find it in cache. The order of every sum
- * depends on the row length only, so results are bitwise batch and thread invariant. Compiled
- * with -ffp-contract=off (no multiply-add fused behind our back); on x86-64 each exported kernel
- * is also compiled for AVX2 and AVX-512 (target_clones), with the same bits, since the lanes and
- * their order are written out. Build switches, for the tests: -DNORMS_NO_CLONES (the baseline
- * version alone), -DNORMS_NO_F16C (the portable float16 conversion alone).
- * Book: chapter "Implementation", section "A compiled kernel". */
+ * A row that fits in cache is read from memory once: the later passes find it there. The order of
+ * every sum depends on the row length (and, for the column sums, on the fixed row blocks) only, so
+ * results are bitwise batch and thread invariant. Compiled with -ffp-contract=off (no multiply-add
+ * fused behind our back); on x86-64 each exported kernel and row function is also compiled for AVX2
+ * and AVX-512 (target_clones), with the same bits, since the lanes and their order are written out.
+ * Build switches, for the tests: -DNORMS_NO_CLONES (the baseline version alone), -DNORMS_NO_F16C
+ * (the portable float16 conversion alone). Book: chapter "Implementation", "A compiled kernel". */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -102,7 +102,9 @@ int norms_set_streaming(int enabled)
     return before;
 }
 
-/* n values of `size` bytes from src to dst, streamed where dst is 16-byte aligned. */
+/* n values of `size` bytes from src to dst: ordinary stores up to dst's first 16-byte boundary,
+ * streamed ones from there, the tail ordinary (all ordinary when that head is not whole values
+ * or is longer than the copy). */
 static void stream_copy(void *dst, const void *src, ptrdiff_t n, size_t size)
 {
     char *d = dst;
@@ -315,8 +317,9 @@ void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n)
 
 /* The exported functions (norms.h): norms_forward_S and norms_backward_S for S = f32, f64,
  * f16 and f16f32, computed by the F (f32 or f64) functions on rows stored as TX (float16 when
- * HX), with the residual stream stored as TR (float16 when HR). Each case of rms, and of a
- * residual (dh) or none, is a call of its own, so that it is compiled for its constants. */
+ * HX), the residual stream as TR (float16 when HR), and weight, bias, mean and rstd as TP. Each
+ * case of rms, and of a residual (dh) or none, is a call of its own: inlined (flatten), compiled
+ * for its constants. */
 #define FORWARD(F, RMS, RES) forward_##F(RMS, xr, RES, weight, bias, y, h, mean, rstd, m, n, eps)
 #define BACKWARD(F, RMS, DH)                                                                   \
     backward_##F(RMS, dyr, DH, xr, mean, rstd, weight, dx, dweight_blocks, dbias_blocks, m, n)

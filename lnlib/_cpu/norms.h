@@ -32,10 +32,11 @@ enum { NORMS_BLOCK_ROWS = 128 };
  *
  * Types by suffix: _f32, _f64 every array in that type; _f16 every (m, n) array float16 (IEEE
  * binary16 bits) with weight, bias, mean and rstd float; _f16f32 x, y and dy float16 with the
- * residual stream (residual, h, dh, and dx, the gradient of h) float. A float16 result is
- * exactly the _f32 kernel's on the inputs converted to float, rounded once to float16 (to
- * nearest, ties to even); a float16 h is rounded before it is normalized, a float16 dx before
- * dh is added. They return 0, or 1 when their scratch rows cannot be allocated. */
+ * residual stream float (residual, h, dh; in the backward, x, which is h, and dx, its gradient).
+ * A float16 result is exactly the _f32 kernel's on the inputs converted to float, rounded once
+ * to float16 (to nearest, ties to even); a float16 h is rounded before it is normalized, a
+ * float16 dx before dh is added. They return 0, or 1 when their scratch rows cannot be
+ * allocated. */
 int norms_forward_f32(int rms, const float *x, ptrdiff_t ldx, const float *residual,
                       ptrdiff_t ldr, const float *weight, const float *bias, float *y, float *h,
                       float *mean, float *rstd, ptrdiff_t m, ptrdiff_t n, double eps);
@@ -77,7 +78,7 @@ void norms_half_to_float(const uint16_t *h, float *f, ptrdiff_t n);
 void norms_float_to_half(const float *f, uint16_t *h, ptrdiff_t n);
 
 /* The version of the kernels the loader picked for this CPU: "avx512f", "avx2" or "default"
- * (the compiler's baseline; the only one where multi-versioning is not available). */
+ * (the compiler's baseline: on a CPU without AVX2, or where multi-versioning is unavailable). */
 const char *norms_kernel_version(void);
 
 /* Streaming of large outputs (non-temporal stores, on by default) on or off for the process, for

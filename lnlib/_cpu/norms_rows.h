@@ -27,8 +27,9 @@ static void FN(pairwise_add)(struct pairwise *s, T a[][LANES], int count)
     s->blocks++;
 }
 
-/* The passes' sums, over rows a and b at once (b may be a; each row's sums are the same alone
- * or in a pair): sum[0], sum[1] for rows a and b, and a second sum in sum[2], sum[3]. */
+/* A pass of sums goes over rows a and b at once (b may be a; each row's sums are the same alone
+ * or in a pair): sum[0], sum[1] for rows a and b, and a pass's second sum in sum[2], sum[3].
+ * Sum of x. */
 static void FN(row_sum)(const T *xa, const T *xb, ptrdiff_t n, double sum[2])
 {
     LANE_PASS(2, n, sum, a[0][k] += xa[e]; a[1][k] += xb[e];);
@@ -66,7 +67,7 @@ static void FN(row_sum_gx)(const T *dya, const T *dyb, const T *weight, const T 
 }
 
 /* The row functions take k = 1 or 2 rows (rows_at), ld elements apart: the passes of sums over
- * both at once, then the pass that writes y or dx row after row. */
+ * both at once, then the pass that writes y, row after row, or dx, of both rows in one loop. */
 
 /* [listing: layer-norm-row] (chapter 5 shows from here to its end marker) */
 /* Two-pass statistics: a first mean mu0, then the sums of the deviations xt = x - mu0 and of
@@ -105,23 +106,23 @@ static void FN(layer_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, con
     double s[4];
     const T shift[2] = {mean[0], mean[k - 1]}, rs[2] = {rstd[0], rstd[k - 1]};
     FN(row_sums_g)(dy, dy + (k - 1) * lddy, weight, x, x + (k - 1) * ldx, n, shift, s);
-    const T g[2] = {(T)(s[0] / n), (T)(s[1] / n)};
-    const T gx[2] = {(T)(s[2] * rs[0] / n), (T)(s[3] * rs[1] / n)};
-    if (k == 1) { /* row a alone: the same pass (GCC would not split the loop below) */
+    const T mean_g[2] = {(T)(s[0] / n), (T)(s[1] / n)};
+    const T mean_gxhat[2] = {(T)(s[2] * rs[0] / n), (T)(s[3] * rs[1] / n)};
+    if (k == 1) { /* row a alone: the pass below, for one row */
         for (ptrdiff_t i = 0; i < n; i++) {
             T xhat = (x[i] - shift[0]) * rs[0];
-            dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat * gx[0]);
+            dx[i] = rs[0] * (dy[i] * weight[i] - mean_g[0] - xhat * mean_gxhat[0]);
             dweight[i] += dy[i] * xhat;
             dbias[i] += dy[i];
         }
         return;
     }
     const T *dyb = dy + lddy, *xb = x + ldx;
-    T *restrict dxb = dx + lddx;
+    T *dxb = dx + lddx; /* based on dx, so covered by its restrict */
     for (ptrdiff_t i = 0; i < n; i++) {
         T xhat_a = (x[i] - shift[0]) * rs[0], xhat_b = (xb[i] - shift[1]) * rs[1];
-        dx[i] = rs[0] * (dy[i] * weight[i] - g[0] - xhat_a * gx[0]);
-        dxb[i] = rs[1] * (dyb[i] * weight[i] - g[1] - xhat_b * gx[1]);
+        dx[i] = rs[0] * (dy[i] * weight[i] - mean_g[0] - xhat_a * mean_gxhat[0]);
+        dxb[i] = rs[1] * (dyb[i] * weight[i] - mean_g[1] - xhat_b * mean_gxhat[1]);
         double dw = dweight[i] + dy[i] * xhat_a, db = dbias[i] + dy[i];
         dweight[i] = dw + dyb[i] * xhat_b;
         dbias[i] = db + dyb[i];
@@ -153,28 +154,28 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
     double s[2];
     const T rs[2] = {rstd[0], rstd[k - 1]};
     FN(row_sum_gx)(dy, dy + (k - 1) * lddy, weight, x, x + (k - 1) * ldx, n, s);
-    const T gx[2] = {(T)(s[0] * rs[0] / n), (T)(s[1] * rs[1] / n)};
+    const T mean_gxhat[2] = {(T)(s[0] * rs[0] / n), (T)(s[1] * rs[1] / n)};
     if (k == 1) { /* row a alone, as in layer_norm_backward_rows */
         for (ptrdiff_t i = 0; i < n; i++) {
             T xhat = x[i] * rs[0];
-            dx[i] = rs[0] * (dy[i] * weight[i] - xhat * gx[0]);
+            dx[i] = rs[0] * (dy[i] * weight[i] - xhat * mean_gxhat[0]);
             dweight[i] += dy[i] * xhat;
         }
         return;
     }
     const T *dyb = dy + lddy, *xb = x + ldx;
-    T *restrict dxb = dx + lddx;
+    T *dxb = dx + lddx; /* based on dx, so covered by its restrict */
     for (ptrdiff_t i = 0; i < n; i++) {
         T xhat_a = x[i] * rs[0], xhat_b = xb[i] * rs[1];
-        dx[i] = rs[0] * (dy[i] * weight[i] - xhat_a * gx[0]);
-        dxb[i] = rs[1] * (dyb[i] * weight[i] - xhat_b * gx[1]);
+        dx[i] = rs[0] * (dy[i] * weight[i] - xhat_a * mean_gxhat[0]);
+        dxb[i] = rs[1] * (dyb[i] * weight[i] - xhat_b * mean_gxhat[1]);
         double dw = dweight[i] + dy[i] * xhat_a;
         dweight[i] = dw + dyb[i] * xhat_b;
     }
 }
 
-/* Rows r, r + 1 of input a as rows of T, *ld apart: a's own, or its float16 rows converted into
- * the scratch rows s (F16C where the CPU has it, the rest or all by the bit operations). */
+/* Rows r to r + k - 1 of input a as rows of T, *ld apart: a's own, or its float16 rows
+ * converted into the rows s (F16C where the CPU has it, the rest or all by bit operations). */
 static const T *FN(rows_read)(struct rows a, ptrdiff_t r, int k, ptrdiff_t n, T *s, ptrdiff_t *ld)
 {
     *ld = a.half ? n : a.ld;
@@ -189,7 +190,7 @@ static const T *FN(rows_read)(struct rows a, ptrdiff_t r, int k, ptrdiff_t n, T 
     return s;
 }
 
-/* Rows r, r + 1 of output a, made in the scratch rows s: rounded to float16 (half), or
+/* Rows r to r + k - 1 of output a, made in the rows s: rounded to float16 (half), or
  * streamed. */
 static void FN(rows_write)(void *a, int half, ptrdiff_t r, int k, ptrdiff_t n, const T *s)
 {
