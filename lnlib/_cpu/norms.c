@@ -121,8 +121,9 @@ static void stream_copy(void *dst, const void *src, ptrdiff_t n, size_t size)
     memcpy(d + i, s + i, bytes - i);
 }
 
-/* Eight scratch rows of n values of `size` bytes where float16 rows (half) or streaming need
- * them, else NULL; *stream: whether the call streams its (m, n) output (not if malloc failed). */
+/* Eight scratch rows of n values of `size` bytes (and one value more: never malloc(0)) where
+ * float16 rows (half) or streaming need them, else NULL; *stream: whether the call streams its
+ * (m, n) output (not if malloc failed). */
 static void *scratch(int half, int *stream, ptrdiff_t m, ptrdiff_t n, size_t size)
 {
 #ifdef __SSE2__

@@ -1,6 +1,7 @@
 /* The kernels over one element type T, included by norms.c for float and for double; FN(f) is f
- * with the type's suffix (f_f32, f_f64). Each pass is one function whose loop is the skeleton
- * LANE_PASS (norms.c) with the pass's terms; the compiler vectorises the lanes. */
+ * with the type's suffix (f_f32, f_f64). Each pass of sums is one function whose loop is the
+ * skeleton LANE_PASS (norms.c) with the pass's terms: statements that add element e of a row to
+ * lane k of sum c, a[c][k]; the compiler vectorises the lanes. */
 
 /* The lanes added pairwise in float64: lane k + lane k + 8, then + 4, + 2, + 1. */
 static double FN(lanes_total)(const T a[LANES])
