@@ -67,13 +67,13 @@ struct pairwise {
 };
 
 /* The totals: the levels still held, from the lowest. */
-static void pairwise_totals(const struct pairwise *s, int count, double *total)
+static void pairwise_totals(const struct pairwise *p, int count, double *total)
 {
     for (int c = 0; c < count; c++) {
         total[c] = 0;
-        for (int k = 0; (s->blocks >> k) != 0; k++)
-            if ((s->blocks >> k) & 1)
-                total[c] = s->level[k][c] + total[c];
+        for (int k = 0; (p->blocks >> k) != 0; k++)
+            if ((p->blocks >> k) & 1)
+                total[c] = p->level[k][c] + total[c];
     }
 }
 
@@ -131,9 +131,9 @@ static void *scratch(int half, int *stream, ptrdiff_t m, ptrdiff_t n, size_t siz
 #else
     *stream = 0;
 #endif
-    void *s = (half || *stream) && n < PTRDIFF_MAX / 64 ? malloc((8 * (size_t)n + 1) * size) : 0;
-    *stream = *stream && s;
-    return s;
+    void *tmp = (half || *stream) && n < PTRDIFF_MAX / 64 ? malloc((8 * (size_t)n + 1) * size) : 0;
+    *stream = *stream && tmp;
+    return tmp;
 }
 
 /* Frees the scratch and, after streamed stores, orders them before what this thread does next

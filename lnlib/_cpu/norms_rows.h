@@ -6,26 +6,26 @@
 /* The lanes added pairwise in float64: lane k + lane k + 8, then + 4, + 2, + 1. */
 static double FN(lanes_total)(const T a[LANES])
 {
-    double s[8];
-    for (int k = 0; k < 8; k++)
-        s[k] = (double)a[k] + (double)a[k + 8];
-    for (int w = 4; w > 0; w /= 2)
+    double t[LANES / 2];
+    for (int k = 0; k < LANES / 2; k++)
+        t[k] = (double)a[k] + (double)a[k + LANES / 2];
+    for (int w = LANES / 4; w > 0; w /= 2)
         for (int k = 0; k < w; k++)
-            s[k] += s[k + w];
-    return s[0];
+            t[k] += t[k + w];
+    return t[0];
 }
 
 /* Adds the block's lanes of `count` sums, each to its pairwise sum. */
-static void FN(pairwise_add)(struct pairwise *s, T a[][LANES], int count)
+static void FN(pairwise_add)(struct pairwise *p, T a[][LANES], int count)
 {
     for (int c = 0, k; c < count; c++) {
         double v = FN(lanes_total)(a[c]);
         k = 0;
-        for (long long b = s->blocks; b & 1; b >>= 1)
-            v = s->level[k++][c] + v;
-        s->level[k][c] = v;
+        for (long long b = p->blocks; b & 1; b >>= 1)
+            v = p->level[k++][c] + v;
+        p->level[k][c] = v;
     }
-    s->blocks++;
+    p->blocks++;
 }
 
 /* A pass of sums goes over rows a and b at once (b may be a; each row's sums are the same alone
@@ -36,12 +36,12 @@ static void FN(row_sum)(const T *xa, const T *xb, ptrdiff_t n, double sum[2])
     LANE_PASS(2, n, sum, a[0][k] += xa[e]; a[1][k] += xb[e];);
 }
 
-/* Sums of d = x - shift and of d^2. */
+/* Sums of the deviations xt = x - shift and of xt^2. */
 static void FN(row_sums_dev)(const T *xa, const T *xb, ptrdiff_t n, const T shift[2],
                              double sum[4])
 {
-    LANE_PASS(4, n, sum, T da = xa[e] - shift[0]; T db = xb[e] - shift[1]; a[0][k] += da;
-              a[1][k] += db; a[2][k] += da * da; a[3][k] += db * db;);
+    LANE_PASS(4, n, sum, T xta = xa[e] - shift[0]; T xtb = xb[e] - shift[1]; a[0][k] += xta;
+              a[1][k] += xtb; a[2][k] += xta * xta; a[3][k] += xtb * xtb;);
 }
 
 /* Sum of x^2. */
@@ -176,29 +176,29 @@ static void FN(rms_norm_backward_rows)(int k, const T *dy, ptrdiff_t lddy, const
 }
 
 /* Rows r to r + k - 1 of input a as rows of T, *ld apart: a's own, or its float16 rows
- * converted into the rows s (F16C where the CPU has it, the rest or all by bit operations). */
-static const T *FN(rows_read)(struct rows a, ptrdiff_t r, int k, ptrdiff_t n, T *s, ptrdiff_t *ld)
+ * converted into the rows tmp (F16C where the CPU has it, the rest or all by bit operations). */
+static const T *FN(rows_read)(struct rows a, ptrdiff_t r, int k, ptrdiff_t n, T *tmp, ptrdiff_t *ld)
 {
     *ld = a.half ? n : a.ld;
     if (!a.half)
         return (const T *)a.p + r * a.ld;
     for (int j = 0; j < k; j++) {
         const uint16_t *h = (const uint16_t *)a.p + (r + j) * a.ld;
-        float *f = (float *)s + j * n;
+        float *f = (float *)tmp + j * n;
         for (ptrdiff_t i = have_f16c() ? f16c_in(h, f, n) : 0; i < n; i++)
             f[i] = half_to_float(h[i]);
     }
-    return s;
+    return tmp;
 }
 
-/* Rows r to r + k - 1 of output a, made in the rows s: rounded to float16 (half), or
+/* Rows r to r + k - 1 of output a, made in the rows tmp: rounded to float16 (half), or
  * streamed. */
-static void FN(rows_write)(void *a, int half, ptrdiff_t r, int k, ptrdiff_t n, const T *s)
+static void FN(rows_write)(void *a, int half, ptrdiff_t r, int k, ptrdiff_t n, const T *tmp)
 {
-    const float *f = (const float *)s;
+    const float *f = (const float *)tmp;
     uint16_t *h = (uint16_t *)a + r * n;
     if (!half)
-        stream_copy((T *)a + r * n, s, k * n, sizeof(T));
+        stream_copy((T *)a + r * n, tmp, k * n, sizeof(T));
     else
         for (ptrdiff_t i = have_f16c() ? f16c_out(f, h, k * n) : 0; i < k * n; i++)
             h[i] = float_to_half(f[i]);
@@ -213,16 +213,16 @@ static int FN(forward)(int rms, struct rows x, struct rows res, const T *weight,
                        void *y, void *h, T *mean, T *rstd, ptrdiff_t m, ptrdiff_t n, double eps)
 {
     int stream, half = x.half || res.half;
-    T *s = scratch(half, &stream, m, n, sizeof(T));
-    if (half && !s)
+    T *tmp = scratch(half, &stream, m, n, sizeof(T));
+    if (half && !tmp)
         return 1;
     for (ptrdiff_t r = 0, k, ld, ldr; r < m; r += k) {
         k = rows_at(r, m, n);
-        const T *in = FN(rows_read)(x, r, k, n, s, &ld);
-        T *yr = x.half || stream ? s + 6 * n : (T *)y + r * n;
+        const T *in = FN(rows_read)(x, r, k, n, tmp, &ld);
+        T *yr = x.half || stream ? tmp + 6 * n : (T *)y + r * n;
         if (res.p) {
-            const T *rr = FN(rows_read)(res, r, k, n, s + 2 * n, &ldr);
-            T *hr = res.half || stream ? s + 4 * n : (T *)h + r * n;
+            const T *rr = FN(rows_read)(res, r, k, n, tmp + 2 * n, &ldr);
+            T *hr = res.half || stream ? tmp + 4 * n : (T *)h + r * n;
             for (ptrdiff_t j = 0; j < k; j++)
                 for (ptrdiff_t i = 0; i < n; i++)
                     hr[j * n + i] = rr[j * ldr + i] + in[j * ld + i];
@@ -241,7 +241,7 @@ static int FN(forward)(int rms, struct rows x, struct rows res, const T *weight,
         if (x.half || stream)
             FN(rows_write)(y, x.half, r, k, n, yr);
     }
-    stream_end(s, stream);
+    stream_end(tmp, stream);
     return 0;
 }
 
@@ -252,15 +252,15 @@ static int FN(backward)(int rms, struct rows dy, struct rows dh, struct rows x, 
                         double *dbias_blocks, ptrdiff_t m, ptrdiff_t n)
 {
     int stream, half = dy.half || x.half;
-    T *s = scratch(half, &stream, m, n, sizeof(T));
-    if (half && !s)
+    T *tmp = scratch(half, &stream, m, n, sizeof(T));
+    if (half && !tmp)
         return 1;
     for (ptrdiff_t r = 0, k, lddy, ldx, ldh; r < m; r += k) {
         ptrdiff_t b = r / NORMS_BLOCK_ROWS * n;
         k = rows_at(r, m, n);
-        const T *dyr = FN(rows_read)(dy, r, k, n, s, &lddy);
-        const T *xr = FN(rows_read)(x, r, k, n, s + 2 * n, &ldx);
-        T *d = x.half || stream ? s + 4 * n : (T *)dx + r * n;
+        const T *dyr = FN(rows_read)(dy, r, k, n, tmp, &lddy);
+        const T *xr = FN(rows_read)(x, r, k, n, tmp + 2 * n, &ldx);
+        T *d = x.half || stream ? tmp + 4 * n : (T *)dx + r * n;
         if (rms)
             FN(rms_norm_backward_rows)(k, dyr, lddy, xr, ldx, rstd + r, weight, d, n,
                                        dweight_blocks + b, n);
@@ -272,7 +272,7 @@ static int FN(backward)(int rms, struct rows dy, struct rows dh, struct rows x, 
             FN(rows_read)(ROWS(dx, n, 1), r, k, n, d, &ldh);
         }
         if (dh.p) {
-            const T *dhr = FN(rows_read)(dh, r, k, n, s + 6 * n, &ldh);
+            const T *dhr = FN(rows_read)(dh, r, k, n, tmp + 6 * n, &ldh);
             for (ptrdiff_t j = 0; j < k; j++)
                 for (ptrdiff_t i = 0; i < n; i++)
                     d[j * n + i] = d[j * n + i] + dhr[j * ldh + i];
@@ -280,6 +280,6 @@ static int FN(backward)(int rms, struct rows dy, struct rows dh, struct rows x, 
         if (x.half || stream)
             FN(rows_write)(dx, x.half, r, k, n, d);
     }
-    stream_end(s, stream);
+    stream_end(tmp, stream);
     return 0;
 }
